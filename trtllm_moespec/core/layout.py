@@ -1,0 +1,144 @@
+"""Verification layout: the root plus a selected node list, in the form a target
+backend needs to verify the whole tree in one forward.
+
+Layout position 0 is the root (the last committed token); positions 1..K are the
+selected nodes in selection order (each after its parent). A backend feeds
+`token_ids` at `position_ids(prefix_len)` with `attention_mask(prefix_len)`, where
+prefix_len is the number of tokens already in its KV cache (the root is not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    node_idx: torch.Tensor  # [B, K] int64 tree index of layout positions 1..K, -1 pad
+    token_ids: torch.Tensor  # [B, 1+K] int64, position 0 = root token (pad positions repeat the root)
+    depth: torch.Tensor  # [B, 1+K] int64, root 0
+    parent_pos: torch.Tensor  # [B, 1+K] int64 layout position of the parent, -1 for root and pads
+    valid: torch.Tensor  # [B, 1+K] bool, root always valid
+    paths: torch.Tensor  # [B, 1+K, D+1] int64 layout positions root->node by depth, -1 pad
+    num_nodes: torch.Tensor  # [B] int64 selected nodes (root excluded)
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_positions(self) -> int:
+        return self.token_ids.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[2] - 1
+
+    def position_ids(self, prefix_len: int | torch.Tensor) -> torch.Tensor:
+        """[B, 1+K] int64 = prefix_len + depth."""
+        if isinstance(prefix_len, torch.Tensor):
+            prefix_len = prefix_len.reshape(-1, 1)
+        return self.depth + prefix_len
+
+    def tree_mask(self) -> torch.Tensor:
+        """[B, 1+K, 1+K] bool: query i may attend key j iff j is an ancestor of i or i itself."""
+        B, T, _ = self.paths.shape
+        mask = torch.zeros(B, T, T + 1, dtype=torch.bool, device=self.paths.device)
+        # Scatter each path entry into its column; -1 pads land in the extra column T.
+        cols = torch.where(self.paths >= 0, self.paths, T)
+        mask.scatter_(2, cols, True)
+        mask = mask[:, :, :T]
+        # Padded queries see only the root so their softmax stays finite.
+        root_only = torch.zeros_like(mask)
+        root_only[:, :, 0] = True
+        return torch.where(self.valid[:, :, None], mask, root_only)
+
+    def attention_mask(
+        self,
+        prefix_len: int,
+        dtype: torch.dtype = torch.float32,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """[B, 1, 1+K, prefix_len+1+K] additive float mask (0 = attend, finfo.min = blocked).
+
+        The prefix is fully visible to every node; tree keys follow tree_mask().
+        With `sliding_window`, a query at position p sees only keys at positions
+        > p - window (positions are prefix_len + depth for tree keys), as in
+        sliding-window attention layers.
+        """
+        B, T = self.token_ids.shape
+        allowed = torch.cat(
+            [torch.ones(B, T, prefix_len, dtype=torch.bool, device=self.token_ids.device), self.tree_mask()], 2
+        )
+        if sliding_window is not None:
+            q_pos = self.position_ids(prefix_len)  # [B, T]
+            k_pos = torch.cat(
+                [torch.arange(prefix_len, device=q_pos.device).expand(B, prefix_len), q_pos], 1
+            )  # [B, P+T]
+            allowed &= (q_pos[:, :, None] - k_pos[:, None, :]) < sliding_window
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
+
+
+def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+    """Lay out the root and the selected nodes `node_idx` [B, K] (-1 pad) for verification.
+
+    Raises ValueError when a selected node's parent is neither the root nor an
+    earlier selected node (the selection must be ordered and parent-closed).
+    """
+    B, K = node_idx.shape
+    device = tree.token_ids.device
+    sel_valid = node_idx >= 0
+    n_safe = node_idx.clamp(min=0)
+    if K and (sel_valid & ~tree.valid.gather(1, n_safe)).any():
+        raise ValueError("selection contains a padded (invalid) tree node")
+
+    # Inverse map: tree node -> layout position (0 = not selected).
+    pos_of_node = torch.zeros(B, tree.num_nodes + 1, dtype=torch.int64, device=device)
+    positions = torch.arange(1, K + 1, device=device).expand(B, K)
+    pos_of_node.scatter_(1, torch.where(sel_valid, n_safe, tree.num_nodes), positions)
+    pos_of_node = pos_of_node[:, : tree.num_nodes]
+
+    tree_parent = tree.parents.gather(1, n_safe) if K else node_idx.clone()
+    parent_pos = torch.where(tree_parent >= 0, pos_of_node.gather(1, tree_parent.clamp(min=0)), 0) if K else node_idx.clone()
+    if K and (sel_valid & ((parent_pos >= positions) | ((tree_parent >= 0) & (parent_pos == 0)))).any():
+        raise ValueError("selection is not parent-closed and ordered: a node comes before (or without) its parent")
+    parent_pos = torch.where(sel_valid, parent_pos, -1)
+
+    root_ids = root_ids.reshape(B, 1).long()
+    node_tokens = torch.where(sel_valid, tree.token_ids.gather(1, n_safe), root_ids) if K else node_idx.clone()
+    depth = torch.where(sel_valid, tree.depth.gather(1, n_safe), 0) if K else node_idx.clone()
+    full_parent = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=device), parent_pos], 1)
+    full_depth = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device), depth], 1)
+    valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), sel_valid], 1)
+    return TreeLayout(
+        node_idx=torch.where(sel_valid, node_idx, -1),
+        token_ids=torch.cat([root_ids, node_tokens], 1),
+        depth=full_depth,
+        parent_pos=full_parent,
+        valid=valid,
+        paths=_paths(full_parent, full_depth, valid),
+        num_nodes=sel_valid.sum(1),
+    )
+
+
+def _paths(parent_pos: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, T, D+1] layout positions on the root->node path, indexed by depth."""
+    B, T = parent_pos.shape
+    max_depth = int(depth.max().item()) if T else 0
+    paths = torch.full((B, T, max_depth + 1), -1, dtype=torch.int64, device=parent_pos.device)
+    cur = torch.arange(T, device=parent_pos.device).expand(B, T).clone()
+    cur = torch.where(valid, cur, -1)
+    for _ in range(max_depth + 1):
+        alive = cur >= 0
+        d = torch.where(alive, depth.gather(1, cur.clamp(min=0)), max_depth + 1)
+        scatter_d = torch.where(alive, d, 0)[:, :, None]
+        current = paths.gather(2, scatter_d)
+        paths.scatter_(2, scatter_d, torch.where(alive[:, :, None], cur[:, :, None], current))
+        cur = torch.where(alive, parent_pos.gather(1, cur.clamp(min=0)), -1)
+    return paths

@@ -1,0 +1,249 @@
+"""Selection policies: which draft nodes the target verifies this step.
+
+Every policy returns, per request, an ordered parent-closed node list (each node
+after its parent), its expected committed tokens 1 + sum of scores, and its
+predicted cost (NaN when the policy has no cost model). Policies never look at
+the verifier's random numbers, so verification stays lossless.
+
+  ar        no drafting (plain decoding through the same path)
+  eagle3    fixed top-`budget` nodes by score
+  evict     top nodes by score, k* = argmax (1 + S_k) / C(k) over a profiled table
+  ecospec   greedy by score / (new predicted experts + eps) up to `budget`
+            (`global_cost=True`: the paper's static ablation)
+  joint     ours: greedy by score / (c_tok + c_exp * new experts), stop at the
+            utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
+  coverage  smallest top prefix with S_k / S_K >= rho
+  oracle    analysis only: orders by the true acceptance probability of each path
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .cost import CostTable, ExpertCostModel
+from .experts import ExpertSets
+from .select import evict_select, greedy_expert_select, joint_prefix, path_bits
+from .tree import DraftTree, score_order, top_k_nodes
+
+
+@dataclass(frozen=True)
+class Selection:
+    node_idx: torch.Tensor  # [B, K] int64 ordered, parent before child, -1 pad
+    num_selected: torch.Tensor  # [B] int64
+    expected_tokens: torch.Tensor  # [B] float64, 1 + sum of selected scores
+    predicted_cost: torch.Tensor  # [B] float64 seconds, NaN without a cost model
+
+
+class SelectionPolicy(ABC):
+    """Interface: select(tree, ...) -> Selection."""
+
+    name: ClassVar[str]
+    needs_experts: ClassVar[bool] = False  # requires per-node predicted expert sets
+    needs_target: ClassVar[bool] = False  # requires target acceptance probabilities (oracle)
+    drafts: ClassVar[bool] = True  # False only for plain decoding
+
+    @abstractmethod
+    def select(
+        self,
+        tree: DraftTree,
+        experts: ExpertSets | None = None,
+        root_experts: torch.Tensor | None = None,
+        target_scores: torch.Tensor | None = None,
+    ) -> Selection:
+        """experts: per-node predicted sets; root_experts: [B, W]; target_scores: [B, N]."""
+
+
+def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cost: torch.Tensor | None) -> Selection:
+    """Selection = the first k[b] entries of order[b]."""
+    K = order.shape[1]
+    keep = torch.arange(K, device=order.device)[None, :] < k[:, None]
+    node_idx = torch.where(keep, order, -1)
+    picked = torch.where(keep, scores.double().gather(1, order.clamp(min=0)), 0.0)
+    expected = 1.0 + picked.sum(1)
+    cost = cost if cost is not None else torch.full_like(expected, math.nan)
+    return Selection(node_idx, keep.sum(1), expected, cost)
+
+
+def _check_budget(budget: int, name: str) -> None:
+    if not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"{name} budget must be a positive integer, got {budget!r}")
+
+
+@dataclass(frozen=True)
+class ArPolicy(SelectionPolicy):
+    name: ClassVar[str] = "ar"
+    drafts: ClassVar[bool] = False
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        empty = torch.full((tree.batch_size, 0), -1, dtype=torch.int64, device=tree.token_ids.device)
+        return _from_prefix(empty, torch.zeros(tree.batch_size, dtype=torch.int64), tree.scores, None)
+
+
+@dataclass(frozen=True)
+class Eagle3Policy(SelectionPolicy):
+    budget: int = 32
+    name: ClassVar[str] = "eagle3"
+
+    def __post_init__(self) -> None:
+        _check_budget(self.budget, "eagle3")
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        order = top_k_nodes(tree, self.budget)
+        return _from_prefix(order, (order >= 0).sum(1), tree.scores, None)
+
+
+@dataclass(frozen=True)
+class EvictPolicy(SelectionPolicy):
+    cost_table: CostTable
+    budget: int | None = None  # cap on verified nodes (e.g. the largest captured verify length)
+    name: ClassVar[str] = "evict"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost_table, CostTable):
+            raise ValueError("evict needs a CostTable (profile one with `moespec profile`)")
+        if self.budget is not None:
+            _check_budget(self.budget, "evict")
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        return _evict(tree, tree.scores, self.cost_table, self.budget)
+
+
+def _evict(tree: DraftTree, scores: torch.Tensor, table: CostTable, budget: int | None) -> Selection:
+    cap = table.max_nodes if budget is None else min(budget, table.max_nodes)
+    order = score_order(tree)[:, :cap]
+    sorted_scores = scores.gather(1, order)
+    num_valid = torch.clamp(tree.valid.sum(1), max=cap)
+    k, _, cost = evict_select(sorted_scores, num_valid, table.as_tensor(tree.token_ids.device))
+    return _from_prefix(order, k, scores, cost)
+
+
+@dataclass(frozen=True)
+class CoveragePolicy(SelectionPolicy):
+    rho: float = 0.9
+    budget: int = 32
+    name: ClassVar[str] = "coverage"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rho <= 1.0:
+            raise ValueError(f"coverage rho must lie in (0, 1], got {self.rho}")
+        _check_budget(self.budget, "coverage")
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        order = top_k_nodes(tree, self.budget)
+        scores = torch.where(order >= 0, tree.scores.gather(1, order.clamp(min=0)), 0.0).double()
+        cu = scores.cumsum(1)
+        total = cu[:, -1:] if cu.shape[1] else torch.zeros(tree.batch_size, 1, dtype=torch.float64)
+        # Smallest k with S_k >= rho * S_K (k = 0 when the tree is empty or all scores are 0).
+        reached = cu >= self.rho * total * (1 - 1e-12)
+        k = torch.where(total[:, 0] > 0, reached.long().argmax(1) + 1, 0)
+        return _from_prefix(order, k, tree.scores, None)
+
+
+@dataclass(frozen=True)
+class EcoSpecPolicy(SelectionPolicy):
+    budget: int = 3  # draft nodes; the paper's gamma counts the bonus token too (gamma = budget + 1)
+    eps: float = 1e-3
+    global_cost: bool = False  # ablation: static |E_path| instead of the marginal cost
+    name: ClassVar[str] = "ecospec"
+    needs_experts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_budget(self.budget, "ecospec")
+        if not self.eps > 0:
+            raise ValueError(f"ecospec eps must be > 0, got {self.eps}")
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        traj = _trajectories(tree, experts, self.name)
+        greedy = greedy_expert_select(
+            tree.scores, tree.parents, tree.valid, traj, None if self.global_cost else root_experts,
+            self.budget, token_cost=self.eps, expert_cost=1.0, marginal=not self.global_cost,
+        )
+        return _from_prefix(greedy.node_idx, greedy.num_selected, tree.scores, None)
+
+
+@dataclass(frozen=True)
+class JointPolicy(SelectionPolicy):
+    cost_model: ExpertCostModel
+    budget: int = 32  # cap on verified nodes
+    name: ClassVar[str] = "joint"
+    needs_experts: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost_model, ExpertCostModel):
+            raise ValueError("joint needs an ExpertCostModel (fitted by `moespec profile`)")
+        _check_budget(self.budget, "joint")
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        m = self.cost_model
+        traj = _trajectories(tree, experts, self.name)
+        # A node that wakes no new expert still costs a token's compute: keep the
+        # token cost strictly positive so "free" nodes are ranked by score, not 0/0.
+        token_cost = max(m.c_tok, 1e-6 * max(m.c_exp, 1e-12), 1e-15)
+        greedy = greedy_expert_select(
+            tree.scores, tree.parents, tree.valid, traj, root_experts, self.budget, token_cost, m.c_exp
+        )
+        j, _, cost = joint_prefix(greedy, m.c0, m.c_tok, m.c_exp)
+        return _from_prefix(greedy.node_idx, j, tree.scores, cost)
+
+
+@dataclass(frozen=True)
+class OraclePolicy(SelectionPolicy):
+    """Analysis-only upper bound: the true acceptance probability of each path as its score.
+
+    With a cost table it maximises (1 + S_k) / C(k) over those scores; without one it
+    verifies every node the target could accept (at T=0: exactly the accepted chain).
+    """
+
+    cost_table: CostTable | None = None
+    name: ClassVar[str] = "oracle"
+    needs_target: ClassVar[bool] = True
+
+    def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        if target_scores is None or target_scores.shape != tree.token_ids.shape:
+            raise ValueError("oracle needs target_scores [B, N]: the target's acceptance probability of each path")
+        oracle_tree = DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs,
+                                torch.where(tree.valid, target_scores.float().clamp(min=0).log(), float("-inf")), tree.valid)
+        scores = oracle_tree.scores
+        if self.cost_table is not None:
+            return _evict(oracle_tree, scores, self.cost_table, None)
+        order = score_order(oracle_tree)
+        k = ((scores > 0) & tree.valid).sum(1)
+        return _from_prefix(order, k, scores, None)
+
+
+def _trajectories(tree: DraftTree, experts: ExpertSets | None, name: str) -> torch.Tensor:
+    if experts is None:
+        raise ValueError(f"{name} needs predicted expert sets per node (load an expert predictor)")
+    if experts.bits.shape[:2] != tree.token_ids.shape:
+        raise ValueError(
+            f"expert sets cover {tuple(experts.bits.shape[:2])} nodes but the tree has {tuple(tree.token_ids.shape)}"
+        )
+    return path_bits(experts.bits, tree.parents, tree.depth)
+
+
+def ddd_should_stop(frontier_scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DDD's dynamic-depth rule: [B] True where the frontier's summed score < threshold."""
+    if not threshold >= 0:
+        raise ValueError(f"ddd threshold must be >= 0, got {threshold}")
+    return frontier_scores.sum(-1) < threshold
+
+
+POLICIES: dict[str, type[SelectionPolicy]] = {
+    cls.name: cls
+    for cls in (ArPolicy, Eagle3Policy, EvictPolicy, EcoSpecPolicy, JointPolicy, CoveragePolicy, OraclePolicy)
+}
+
+
+def make_policy(name: str, **options) -> SelectionPolicy:
+    """Build a policy by name; unknown names or options raise ValueError."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    try:
+        return POLICIES[name](**options)
+    except TypeError as e:
+        raise ValueError(f"bad options for policy {name!r}: {e}") from None

@@ -1,0 +1,155 @@
+"""Selection algorithms on plain tensors: the reference that every kernel
+(Triton, CUDA C++, TensorRT plugin) is tested against.
+
+- `evict_select`: EVICT (utility-guided truncation). Given node scores already in
+  score order, S_k = prefix sums, pick k* = argmax_{0<=k<=K} (1 + S_k) / C(k).
+- `greedy_expert_select`: EcoSpec-style greedy growth of a parent-closed node set.
+  Each round picks, among unselected nodes whose parent is selected (or is the
+  root), the one maximising score(v) / (token_cost + expert_cost * new(v)), where
+  new(v) = |E_path(v) \\ B| counts (layer, expert) pairs of v's root->v path not
+  yet in the expert buffer B; then B |= E_path(v). With marginal=False, B stays
+  at its initial value (the paper's "global cost" ablation).
+  EcoSpec: token_cost = eps, expert_cost = 1. Joint: token and expert cost from
+  the fitted cost model. Ties go to the lowest node index.
+- `joint_prefix`: stop a greedy order where (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
+  peaks, U_j = unique (layer, expert) pairs after j nodes (root included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class GreedyOrder:
+    node_idx: torch.Tensor  # [B, M] int64 nodes in the order chosen, -1 pad
+    num_selected: torch.Tensor  # [B] int64 nodes chosen (<= M)
+    cu_scores: torch.Tensor  # [B, M+1] float64 S_j = sum of the first j scores
+    unique_experts: torch.Tensor  # [B, M+1] int64 U_j = |buffer| after j nodes (root's experts included)
+
+
+def evict_select(
+    sorted_scores: torch.Tensor, num_valid: torch.Tensor, cost_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EVICT's k* per request.
+
+    sorted_scores: [B, N] node scores in score order (entries past num_valid ignored);
+    num_valid: [B] int64; cost_table: [K+1] C(k) in seconds, k = 0..K.
+    Returns (k* [B] int64, expected tokens 1 + S_k* [B] float64, C(k*) [B] float64).
+    Only k <= min(num_valid, K, N) is considered; ties go to the smallest k.
+    """
+    B, N = sorted_scores.shape
+    K = min(N, cost_table.shape[0] - 1)
+    ks = torch.arange(K + 1, device=sorted_scores.device)
+    scores = torch.where(ks[1:] <= num_valid[:, None], sorted_scores[:, :K].double(), 0.0)
+    expected = 1.0 + torch.cat([scores.new_zeros(B, 1), scores.cumsum(1)], 1)  # [B, K+1]
+    cost = cost_table[: K + 1].double().to(sorted_scores.device)
+    utility = expected / cost
+    utility = torch.where(ks[None, :] <= num_valid[:, None], utility, float("-inf"))
+    k_star = utility.argmax(1)  # first maximum
+    rows = torch.arange(B, device=sorted_scores.device)
+    return k_star, expected[rows, k_star], cost[k_star]
+
+
+def path_bits(node_bits: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """[B, N, W] E_path(v): union of the node sets on each root->v path."""
+    out = node_bits.clone()
+    max_depth = int(depth.max().item()) if depth.numel() else 0
+    p_safe = parents.clamp(min=0)
+    for d in range(2, max_depth + 1):  # depth-1 nodes hang from the root: their path is themselves
+        at_d = (depth == d)[:, :, None]
+        parent_path = out.gather(1, p_safe[:, :, None].expand_as(out))
+        out = torch.where(at_d, out | parent_path, out)
+    return out
+
+
+def greedy_expert_select(
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    valid: torch.Tensor,
+    traj_bits: torch.Tensor,
+    root_bits: torch.Tensor | None,
+    max_nodes: int,
+    token_cost: float,
+    expert_cost: float,
+    marginal: bool = True,
+) -> GreedyOrder:
+    """Greedy parent-closed selection by score / (token_cost + expert_cost * new experts).
+
+    scores/parents/valid: [B, N]; traj_bits: [B, N, W] path expert sets (see path_bits);
+    root_bits: [B, W] the root token's experts (initial buffer) or None.
+    Stops after max_nodes picks or when no candidate is left.
+    """
+    if max_nodes < 0:
+        raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+    if token_cost < 0 or expert_cost < 0 or token_cost + expert_cost <= 0:
+        raise ValueError(f"token_cost and expert_cost must be >= 0 and not both 0, got {token_cost}, {expert_cost}")
+    B, N = scores.shape
+    M = min(max_nodes, N)
+    order = np.full((B, M), -1, dtype=np.int64)
+    counts = np.zeros(B, dtype=np.int64)
+    cu = np.zeros((B, M + 1), dtype=np.float64)
+    uniq = np.zeros((B, M + 1), dtype=np.int64)
+    s_np = scores.detach().double().cpu().numpy()
+    p_np = parents.detach().cpu().numpy()
+    v_np = valid.detach().cpu().numpy()
+    bits = traj_bits.detach().cpu().contiguous().numpy().view(np.uint64)
+    root = root_bits.detach().cpu().contiguous().numpy().view(np.uint64) if root_bits is not None else None
+    for b in range(B):
+        buf = root[b].copy() if root is not None else np.zeros(bits.shape[2], dtype=np.uint64)
+        n, u = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal, order[b], cu[b], uniq[b])
+        counts[b] = n
+    return GreedyOrder(
+        node_idx=torch.from_numpy(order).to(scores.device),
+        num_selected=torch.from_numpy(counts).to(scores.device),
+        cu_scores=torch.from_numpy(cu).to(scores.device),
+        unique_experts=torch.from_numpy(uniq).to(scores.device),
+    )
+
+
+def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, marginal, order, cu, uniq):
+    """One request of greedy_expert_select (numpy, writes into order/cu/uniq)."""
+    selected = np.zeros(len(scores), dtype=bool)
+    union = buf.copy()
+    uniq[0] = int(np.bitwise_count(union).sum())
+    n = 0
+    while n < M:
+        parent_ok = np.where(parents >= 0, selected[np.maximum(parents, 0)], True)
+        cand = np.flatnonzero(valid & ~selected & parent_ok)
+        if cand.size == 0:
+            break
+        ref = buf if not marginal else union
+        new = np.bitwise_count(bits[cand] & ~ref).sum(-1)
+        key = scores[cand] / (token_cost + expert_cost * new)
+        v = cand[int(np.argmax(key))]  # cand is ascending, argmax takes the first max: lowest index wins ties
+        selected[v] = True
+        union |= bits[v]
+        order[n] = v
+        cu[n + 1] = cu[n] + scores[v]
+        n += 1
+        uniq[n] = int(np.bitwise_count(union).sum())
+    cu[n + 1 :] = cu[n]
+    uniq[n + 1 :] = uniq[n]
+    return n, uniq
+
+
+def joint_prefix(
+    greedy: GreedyOrder, c0: float, c_tok: float, c_exp: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Utility-peak prefix of a greedy order: j* = argmax_j (1 + S_j) / (c0 + c_tok*j + c_exp*U_j).
+
+    Returns (j* [B] int64, expected tokens [B] float64, predicted cost [B] float64).
+    """
+    M = greedy.cu_scores.shape[1] - 1
+    j = torch.arange(M + 1, device=greedy.cu_scores.device, dtype=torch.float64)
+    cost = c0 + c_tok * j[None, :] + c_exp * greedy.unique_experts.double()
+    if (cost <= 0).any():
+        raise ValueError(f"cost model predicts a non-positive step cost (c0={c0}, c_tok={c_tok}, c_exp={c_exp})")
+    expected = 1.0 + greedy.cu_scores
+    utility = torch.where(j[None, :] <= greedy.num_selected[:, None], expected / cost, float("-inf"))
+    j_star = utility.argmax(1)
+    rows = torch.arange(len(j_star), device=j_star.device)
+    return j_star, expected[rows, j_star], cost[rows, j_star]

@@ -1,0 +1,212 @@
+"""Draft trees: batched node tensors, EAGLE-style tree growth, score ordering and
+the verification layout of a selected node list.
+
+Definitions follow DESIGN.md: the root is the last committed token (its target
+logits are known and it is not a node of the tree); node v has a token, a parent
+(-1 = child of the root), a depth (root children have depth 1), a local draft
+probability q(v) and score(v) = prod of q along the root->v path. Nodes are
+stored in topological order: a parent's index is always smaller than its child's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees, padded to a common node count."""
+
+    token_ids: torch.Tensor  # [B, N] int64 target-vocabulary token ids
+    parents: torch.Tensor  # [B, N] int64, -1 = child of the root; parent idx < own idx
+    depth: torch.Tensor  # [B, N] int64, root children = 1, 0 for padding
+    draft_probs: torch.Tensor  # [B, N] float32 local draft probability q(v)
+    log_scores: torch.Tensor  # [B, N] float32 sum of log q on the root->v path (-inf if padded)
+    valid: torch.Tensor  # [B, N] bool, False for padding
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.shape[1]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[B, N] float32 path probabilities, 0 for padded nodes."""
+        return torch.where(self.valid, self.log_scores.exp(), torch.zeros_like(self.log_scores))
+
+    @property
+    def num_valid(self) -> torch.Tensor:
+        """[B] int64 number of real nodes per request."""
+        return self.valid.sum(-1)
+
+    @staticmethod
+    def empty(batch_size: int, device: torch.device | str = "cpu") -> "DraftTree":
+        """A tree with no nodes (plain decoding step)."""
+        z = torch.zeros(batch_size, 0, dtype=torch.int64, device=device)
+        f = torch.zeros(batch_size, 0, dtype=torch.float32, device=device)
+        return DraftTree(z, z.clone(), z.clone(), f, f.clone(), z.bool())
+
+    @staticmethod
+    def from_parents(
+        token_ids: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor,
+        valid: torch.Tensor | None = None,
+    ) -> "DraftTree":
+        """Build a tree of any shape from parent pointers; computes depth and scores.
+
+        Raises ValueError for parents that point forward (which also rules out
+        cycles), to padded nodes or out of range, and for probabilities outside (0, 1].
+        """
+        token_ids, parents = token_ids.long(), parents.long()
+        draft_probs = draft_probs.float()
+        if valid is None:
+            valid = torch.ones_like(token_ids, dtype=torch.bool)
+        _check_parents(parents, valid)
+        _check_probs(draft_probs, valid)
+        B, N = token_ids.shape
+        depth = torch.zeros(B, N, dtype=torch.int64, device=token_ids.device)
+        log_scores = torch.full((B, N), _NEG_INF, device=token_ids.device)
+        log_q = draft_probs.clamp(max=1.0).log()
+        for i in range(N):  # topological order: parents are already filled in
+            p = parents[:, i]
+            has_parent = p >= 0
+            p_safe = p.clamp(min=0)
+            parent_depth = torch.where(has_parent, depth.gather(1, p_safe[:, None])[:, 0], 0)
+            parent_log = torch.where(has_parent, log_scores.gather(1, p_safe[:, None])[:, 0], 0.0)
+            depth[:, i] = torch.where(valid[:, i], parent_depth + 1, 0)
+            log_scores[:, i] = torch.where(valid[:, i], parent_log + log_q[:, i], _NEG_INF)
+        parents = torch.where(valid, parents, torch.full_like(parents, -1))
+        return DraftTree(token_ids, parents, depth, draft_probs, log_scores, valid)
+
+    def validate(self) -> None:
+        """Check the invariants; raise ValueError naming the first problem found."""
+        shape = self.token_ids.shape
+        for name in ("parents", "depth", "draft_probs", "log_scores", "valid"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"DraftTree.{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
+        _check_parents(self.parents, self.valid)
+        _check_probs(self.draft_probs, self.valid)
+        if torch.isnan(self.log_scores).any() or (self.log_scores[self.valid] == float("inf")).any():
+            raise ValueError("DraftTree.log_scores has NaN or +inf entries")
+        p_safe = self.parents.clamp(min=0)
+        parent_log = torch.where(self.parents >= 0, self.log_scores.gather(1, p_safe), torch.zeros_like(self.log_scores))
+        if (self.valid & (self.log_scores > parent_log)).any():
+            raise ValueError("DraftTree scores are not monotone: a child scores above its parent")
+        parent_depth = torch.where(self.parents >= 0, self.depth.gather(1, p_safe), torch.zeros_like(self.depth))
+        if (self.valid & (self.depth != parent_depth + 1)).any():
+            raise ValueError("DraftTree.depth is inconsistent with parents")
+
+
+def _check_parents(parents: torch.Tensor, valid: torch.Tensor) -> None:
+    N = parents.shape[-1]
+    idx = torch.arange(N, device=parents.device)
+    bad_range = valid & ((parents < -1) | (parents >= idx))
+    if bad_range.any():
+        b, i = bad_range.nonzero()[0].tolist()
+        raise ValueError(
+            f"invalid parent {parents[b, i].item()} for node {i} of request {b}: parents must be -1 (root) "
+            "or the index of an earlier node (this also rules out cycles)"
+        )
+    p_safe = parents.clamp(min=0)
+    parent_valid = torch.where(parents >= 0, valid.gather(1, p_safe), torch.ones_like(valid))
+    if (valid & ~parent_valid).any():
+        raise ValueError("a valid node has a padded (invalid) parent")
+
+
+def _check_probs(draft_probs: torch.Tensor, valid: torch.Tensor) -> None:
+    q = draft_probs[valid]
+    if not torch.isfinite(q).all():
+        raise ValueError("draft probabilities must be finite (got NaN or inf)")
+    if (q < 0).any() or (q > 1.0 + 1e-5).any():
+        raise ValueError("draft probabilities must lie in [0, 1]")
+
+
+def draft_root(token_ids: torch.Tensor, probs: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+    """EAGLE step 1: the top-`topk` tokens at the root become depth-1 nodes.
+
+    token_ids, probs: [B, topk]. Returns the tree and its frontier [B, topk] (node idx).
+    """
+    B, topk = token_ids.shape
+    parents = torch.full((B, topk), -1, dtype=torch.int64, device=token_ids.device)
+    tree = DraftTree.from_parents(token_ids, parents, probs)
+    frontier = torch.arange(topk, device=token_ids.device).expand(B, topk).clone()
+    return tree, frontier
+
+
+def grow_tree(
+    tree: DraftTree,
+    frontier: torch.Tensor,
+    child_ids: torch.Tensor,
+    child_probs: torch.Tensor,
+    topk: int,
+) -> tuple[DraftTree, torch.Tensor]:
+    """One later EAGLE step: expand every frontier node by its drafter top-k.
+
+    frontier: [B, F] node idx (-1 = padded slot); child_ids/child_probs: [B, F, C].
+    All F*C children are kept in the tree; the new frontier is the top-`topk` of
+    them by score (ties by position). Returns (grown tree, new frontier [B, topk]).
+    """
+    B, F, C = child_ids.shape
+    device = tree.token_ids.device
+    frontier_valid = frontier >= 0
+    f_safe = frontier.clamp(min=0)
+    parent_log = tree.log_scores.gather(1, f_safe)  # [B, F]
+    child_log = parent_log[:, :, None] + child_probs.float().clamp(min=0.0, max=1.0).log()  # [B, F, C]
+    child_valid = frontier_valid[:, :, None].expand(B, F, C)
+    child_log = torch.where(child_valid, child_log, torch.full_like(child_log, _NEG_INF))
+    parent_depth = tree.depth.gather(1, f_safe)[:, :, None].expand(B, F, C)
+
+    N = tree.num_nodes
+    new_parents = torch.where(child_valid, f_safe[:, :, None].expand(B, F, C), -1).reshape(B, F * C)
+    grown = DraftTree(
+        token_ids=torch.cat([tree.token_ids, child_ids.reshape(B, F * C).long()], 1),
+        parents=torch.cat([tree.parents, new_parents], 1),
+        depth=torch.cat([tree.depth, torch.where(child_valid, parent_depth + 1, 0).reshape(B, F * C)], 1),
+        draft_probs=torch.cat([tree.draft_probs, child_probs.float().reshape(B, F * C)], 1),
+        log_scores=torch.cat([tree.log_scores, child_log.reshape(B, F * C)], 1),
+        valid=torch.cat([tree.valid, child_valid.reshape(B, F * C)], 1),
+    )
+    k = min(topk, F * C)
+    top_log, top_pos = child_log.reshape(B, F * C).topk(k, dim=1, sorted=True)
+    new_frontier = torch.where(top_log > _NEG_INF, top_pos + N, -1)
+    if k < topk:
+        new_frontier = torch.cat([new_frontier, new_frontier.new_full((B, topk - k), -1)], 1)
+    return grown, new_frontier.to(device)
+
+
+def score_order(tree: DraftTree) -> torch.Tensor:
+    """[B, N] node idx sorted by (score desc, depth asc, index asc); padded nodes last.
+
+    A child never scores above its parent and is deeper, so every prefix of this
+    order is parent-closed.
+    """
+    B, N = tree.token_ids.shape
+    order = torch.arange(N, device=tree.token_ids.device).expand(B, N)
+    # Three stable sorts, least significant key first.
+    key_depth = torch.where(tree.valid, tree.depth, N + 1)
+    order = order.gather(1, key_depth.gather(1, order).argsort(dim=1, stable=True))
+    key_score = torch.where(tree.valid, -tree.log_scores, float("inf"))
+    order = order.gather(1, key_score.gather(1, order).argsort(dim=1, stable=True))
+    key_valid = (~tree.valid).to(torch.int8)
+    order = order.gather(1, key_valid.gather(1, order).argsort(dim=1, stable=True))
+    return order
+
+
+def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:
+    """[B, k] the top-k nodes by score (EAGLE-3's pruning), -1 where fewer exist."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    order = score_order(tree)[:, :k]
+    valid = tree.valid.gather(1, order)
+    order = torch.where(valid, order, -1)
+    if order.shape[1] < k:
+        order = torch.cat([order, order.new_full((tree.batch_size, k - order.shape[1]), -1)], 1)
+    return order

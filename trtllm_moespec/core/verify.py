@@ -1,0 +1,176 @@
+"""Lossless verification of a selected draft tree ("multi-draft" rejection sampling
+with deterministic drafts, as in SpecInfer / EAGLE tree decoding).
+
+Algorithm (DESIGN.md, "Verification"), per request, walking from the root:
+  r := p(node)  (target distribution after temperature / top-k / top-p)
+  for each child c of node, in layout (selection) order:
+      accept c with probability r(c) / sum(r)        # u * sum(r) <= r(c)
+      on acceptance: move to c and start again with r := p(c)
+      on rejection:  r(c) := 0                        # the residual, renormalised implicitly
+  if no child is accepted (or the node is a leaf): emit a sample of r / sum(r).
+
+Glossary: *accepted* tokens are draft nodes on the walked path; the *bonus*
+(or *correction*) token is the final sample. Greedy decoding uses p = one-hot on
+the argmax, which turns the rule into "accept the child equal to the argmax".
+
+Assumptions: draft tokens are deterministic given the context (top-k drafts, not
+samples), siblings carry distinct tokens, and the tree was chosen without looking
+at the verifier's random numbers. Under these the emitted tokens follow the target
+distribution exactly (lossless). Randomness: one uniform per layout position
+(used when that node is tested) and one for the final sample, drawn per request
+from its own torch.Generator, so the vectorised and the reference implementation
+consume identical numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import TreeLayout
+from .sampling import SamplingConfig, sample_from_probs, target_probs
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted_pos: torch.Tensor  # [B, D] int64 layout positions of accepted nodes (root excluded), -1 pad
+    num_accepted: torch.Tensor  # [B] int64
+    emitted_ids: torch.Tensor  # [B, D+1] int64 accepted tokens then the bonus token, -1 pad
+    num_emitted: torch.Tensor  # [B] int64 = num_accepted + 1
+
+    def keep_positions(self) -> torch.Tensor:
+        """[B, D+1] layout positions whose KV entries survive: root then accepted nodes (-1 pad)."""
+        root = torch.zeros_like(self.accepted_pos[:, :1])
+        return torch.cat([root, self.accepted_pos], 1)
+
+
+def draw_uniforms(
+    batch_size: int, num_positions: int, generators: list[torch.Generator | None] | None
+) -> torch.Tensor:
+    """[B, T+1] float64 uniforms: one per layout position, the last for the final sample."""
+    rows = []
+    for b in range(batch_size):
+        g = generators[b] if generators else None
+        rows.append(torch.rand(num_positions + 1, generator=g, dtype=torch.float64))
+    return torch.stack(rows) if rows else torch.zeros(0, num_positions + 1, dtype=torch.float64)
+
+
+def verify_tree(
+    layout: TreeLayout,
+    target_logits: torch.Tensor,
+    configs: list[SamplingConfig],
+    generators: list[torch.Generator | None] | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Verify every request's tree; target_logits: [B, 1+K, V] at the layout positions."""
+    B, T = layout.token_ids.shape
+    if target_logits.shape[:2] != (B, T):
+        raise ValueError(f"target_logits shape {tuple(target_logits.shape)} does not match layout [B={B}, T={T}, V]")
+    if len(configs) != B:
+        raise ValueError(f"need one SamplingConfig per request: got {len(configs)} for batch {B}")
+    if uniforms is None:
+        uniforms = draw_uniforms(B, T, generators)
+    uniforms = uniforms.to(target_logits.device)
+    children = _children(layout)  # [B, T, C]
+    D = layout.max_depth
+    rows = torch.arange(B, device=target_logits.device)
+
+    cur = torch.zeros(B, dtype=torch.int64, device=target_logits.device)
+    num_accepted = torch.zeros_like(cur)
+    accepted_pos = torch.full((B, D), -1, dtype=torch.int64, device=cur.device)
+    bonus = torch.zeros_like(cur)
+    done = torch.zeros(B, dtype=torch.bool, device=cur.device)
+    for depth in range(D + 1):
+        r = _probs_at(target_logits, cur, configs).double()  # [B, V] residual, unnormalised
+        total = r.sum(-1)
+        chosen = torch.full_like(cur, -1)
+        for c in range(children.shape[2]):
+            child = children[rows, cur, c]  # [B]
+            active = (child >= 0) & (chosen < 0) & ~done
+            tok = layout.token_ids[rows, child.clamp(min=0)]
+            r_tok = r[rows, tok]
+            u = uniforms[rows, child.clamp(min=0)]
+            accept = active & (r_tok > 0) & (u * total <= r_tok)
+            chosen = torch.where(accept, child, chosen)
+            reject = active & ~accept
+            r[rows, tok] = torch.where(reject, 0.0, r_tok)
+            total = torch.where(reject, total - r_tok, total)
+        stop = ~done & (chosen < 0)
+        if stop.any():
+            sample = sample_from_probs(r, uniforms[:, -1])
+            bonus = torch.where(stop, sample, bonus)
+        step = ~done & (chosen >= 0)
+        if depth < D:
+            accepted_pos[:, depth] = torch.where(step, chosen, -1)
+        num_accepted += step.long()
+        cur = torch.where(step, chosen, cur)
+        done |= stop
+        if bool(done.all()):
+            break
+    return _result(layout, accepted_pos, num_accepted, bonus)
+
+
+def _probs_at(target_logits: torch.Tensor, cur: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
+    """[B, V] target distribution at each request's current node (only visited nodes are processed)."""
+    logits = target_logits[torch.arange(len(cur), device=cur.device), cur]  # [B, V]
+    if all(c == configs[0] for c in configs):
+        return target_probs(logits, configs[0])
+    return torch.cat([target_probs(logits[b : b + 1], cfg) for b, cfg in enumerate(configs)])
+
+
+def _children(layout: TreeLayout) -> torch.Tensor:
+    """[B, T, C] layout positions of each position's children in layout order, -1 pad."""
+    B, T = layout.token_ids.shape
+    is_child = (layout.parent_pos[:, None, :] == torch.arange(T, device=layout.parent_pos.device)[None, :, None]) & layout.valid[:, None, :]
+    rank = is_child.long().cumsum(-1) - 1  # [B, parent T, child T]
+    C = max(int(is_child.sum(-1).max().item()) if T else 0, 1)
+    out = torch.full((B, T, C + 1), -1, dtype=torch.int64, device=layout.parent_pos.device)
+    child_idx = torch.arange(T, device=out.device).expand(B, T, T)
+    out.scatter_(2, torch.where(is_child, rank, C), torch.where(is_child, child_idx, -1))
+    return out[:, :, :C]
+
+
+def _result(layout: TreeLayout, accepted_pos: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    B = layout.batch_size
+    D = accepted_pos.shape[1]
+    tokens = layout.token_ids.gather(1, accepted_pos.clamp(min=0))
+    emitted = torch.full((B, D + 1), -1, dtype=torch.int64, device=accepted_pos.device)
+    emitted[:, :D] = torch.where(accepted_pos >= 0, tokens, -1)
+    emitted.scatter_(1, num_accepted[:, None], bonus[:, None])
+    return VerifyResult(accepted_pos, num_accepted, emitted, num_accepted + 1)
+
+
+def verify_tree_reference(
+    layout: TreeLayout,
+    target_logits: torch.Tensor,
+    configs: list[SamplingConfig],
+    uniforms: torch.Tensor,
+) -> VerifyResult:
+    """Plain-Python reference of verify_tree (same rule, same uniforms); for tests."""
+    B, T = layout.token_ids.shape
+    D = layout.max_depth
+    accepted_pos = torch.full((B, D), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int64)
+    bonus = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        parent = layout.parent_pos[b].tolist()
+        valid = layout.valid[b].tolist()
+        node, n = 0, 0
+        while True:
+            r = target_probs(target_logits[b, node][None].cpu(), configs[b])[0].double()
+            chosen = -1
+            for child in (j for j in range(T) if valid[j] and parent[j] == node):
+                tok = int(layout.token_ids[b, child])
+                if r[tok] > 0 and float(uniforms[b, child]) * float(r.sum()) <= float(r[tok]):
+                    chosen = child
+                    break
+                r[tok] = 0.0
+            if chosen < 0:
+                bonus[b] = sample_from_probs(r[None], uniforms[b, -1:].double())[0]
+                break
+            accepted_pos[b, n] = chosen
+            n += 1
+            node = chosen
+        num_accepted[b] = n
+    return _result(layout, accepted_pos, num_accepted, bonus)

@@ -1,0 +1,74 @@
+"""Checkpoint-directory checks shared by the target and drafter loaders.
+
+Everything here runs before any weights are read, so a bad directory fails fast
+with an error that names the problem: missing directory or config.json, pickle-only
+weights (refused: safetensors only), missing shards, or a corrupt safetensors header.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """torch dtype from a name ("float32", "bfloat16", "float16") or a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def check_safetensors_dir(path: Path, what: str) -> dict:
+    """Validate a checkpoint directory and return its config.json as a dict."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{what} has no config.json: {path}")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} config.json is not valid JSON ({config_file}): {e}") from None
+    for shard in safetensors_files(path, what):
+        check_safetensors_file(shard, what)
+    return config
+
+
+def safetensors_files(path: Path, what: str) -> list[Path]:
+    """The weight shards of `path` (via model.safetensors.index.json when present)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        shards = sorted({path / name for name in weight_map.values()})
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{what} index names missing shards {missing} in {path}")
+        return shards
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        return shards
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ValueError(
+            f"{what} at {path} has only pickle weights (*.bin/*.pt); only safetensors are loaded. "
+            "Convert it, e.g. model.save_pretrained(dir, safe_serialization=True) in a trusted environment"
+        )
+    raise FileNotFoundError(f"{what} has no *.safetensors weights: {path}")
+
+
+def check_safetensors_file(shard: Path, what: str) -> None:
+    """Open the header of one shard; a truncated or garbled file raises ValueError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError for I/O)
+        raise ValueError(f"{what} weights file is corrupt or unreadable: {shard} ({e})") from None

@@ -1,0 +1,290 @@
+"""The MoE target model: a Hugging Face Qwen3-MoE / GPT-OSS checkpoint adapted for
+tree verification without forking its modeling file.
+
+One forward verifies a whole selected tree: the root and the selected nodes are fed
+with position ids `prefix_len + depth` and an additive float mask over prefix + tree
+(`TreeLayout.attention_mask`; GPT-OSS gets the `{"full_attention", "sliding_attention"}`
+mask dict with the window applied by position ids). The same forward captures, via
+temporary hooks, the inputs of the EAGLE-3 capture layers and each MoE router's
+top-k expert ids. `commit` compacts the KV cache so it holds exactly
+prefix + root + accepted nodes, as if those tokens had been decoded one by one.
+
+The KV cache is a transformers `DynamicCache` without a config: every layer keeps
+full history (sliding windows are applied by the mask), so rejected tree slots can
+be dropped and accepted ones copied down without losing tokens a window still needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..core.layout import TreeLayout
+from .arch import ArchSpec, arch_spec, default_capture_layers, layer_types, router_topk_ids
+from .checkpoint import check_safetensors_dir, parse_dtype
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What one target forward returns to the engine."""
+
+    logits: torch.Tensor  # [B, T, V] float32 (T = 1 for last-only prefill)
+    hidden: torch.Tensor  # [B, T, 3*H] model dtype: inputs of the capture layers, concatenated (EAGLE-3 features)
+    expert_ids: torch.Tensor  # [B, T, L_moe, topk] int64 router top-k expert ids per MoE layer
+
+
+@dataclass
+class TargetCache:
+    """Per-request target KV state (mutable; owned by the engine, passed to every call)."""
+
+    kv: object  # transformers DynamicCache, full history in every layer
+    num_tokens: int = 0  # committed tokens in `kv` (the next verify's prefix_len)
+    num_pending: int = 0  # tree slots appended by the last verify, dropped or kept by commit()
+
+
+class TargetModel:
+    """A loaded MoE target with prefill / verify / commit over an explicit `TargetCache`."""
+
+    def __init__(self, model: nn.Module, capture_layers: tuple[int, ...] | None = None):
+        config = model.config
+        arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+        self.spec: ArchSpec = arch_spec(arch)
+        self.model = model.eval()
+        self.config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.layer_types: tuple[str, ...] = layer_types(config, self.num_layers)
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        self.capture_layers = tuple(capture_layers) if capture_layers is not None else default_capture_layers(self.num_layers)
+        if any(not 0 <= i < self.num_layers for i in self.capture_layers):
+            raise ValueError(f"capture layers {self.capture_layers} out of range for {self.num_layers} layers")
+        self.num_experts: int = getattr(config, self.spec.num_experts_attr)
+        self.experts_per_token: int = config.num_experts_per_tok
+        self.moe_layers, self._routers = self._find_routers()
+        layers = model.get_submodule(self.spec.layers_path)
+        self._capture_modules = [layers[i] for i in self.capture_layers]
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        capture_layers: tuple[int, ...] | None = None,
+    ) -> "TargetModel":
+        """Load a local Hugging Face checkpoint directory (safetensors only, no remote code)."""
+        import transformers
+
+        path = Path(path)
+        config_dict = check_safetensors_dir(path, what="target checkpoint")
+        arch = (config_dict.get("architectures") or ["<missing 'architectures' in config.json>"])[0]
+        spec = arch_spec(arch)
+        model_cls = getattr(transformers, spec.name, None)
+        if model_cls is None:
+            raise ValueError(f"transformers {transformers.__version__} has no {spec.name}; upgrade transformers")
+        kwargs = {"use_safetensors": True, "trust_remote_code": False}
+        if spec.attn_implementation is not None:
+            kwargs["attn_implementation"] = spec.attn_implementation
+        model = model_cls.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
+        return cls(model.to(device), capture_layers=capture_layers)
+
+    def _find_routers(self) -> tuple[tuple[int, ...], list[nn.Module]]:
+        moe_layers, routers = [], []
+        for i in range(self.num_layers):
+            try:
+                routers.append(self.model.get_submodule(self.spec.router_path.format(i=i)))
+            except AttributeError:
+                continue  # a dense layer (e.g. Qwen3-MoE mlp_only_layers)
+            moe_layers.append(i)
+        if not moe_layers:
+            raise ValueError(f"no router modules found at {self.spec.router_path!r}: is this an MoE checkpoint?")
+        return tuple(moe_layers), routers
+
+    # --------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos = eos if eos is not None else getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token occupies across all layers."""
+        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.config.num_key_value_heads * head_dim * elem
+
+    def input_embeddings(self) -> nn.Embedding:
+        """The target's token embedding (EAGLE-3 drafters without their own share it)."""
+        return self.model.get_input_embeddings()
+
+    def new_cache(self) -> TargetCache:
+        from transformers import DynamicCache
+
+        return TargetCache(kv=DynamicCache())
+
+    # ------------------------------------------------------------------ forwards
+    @torch.inference_mode()
+    def prefill(self, cache: TargetCache, input_ids: torch.Tensor, all_logits: bool = False) -> TargetOutput:
+        """Append `input_ids` [1, T] causally after the committed tokens (prompt prefill,
+        or plain one-by-one decoding). Logits are for the last position only unless
+        `all_logits`; hidden and expert ids are for all T positions.
+        """
+        self._check_ready(cache, input_ids)
+        P, T = cache.num_tokens, input_ids.shape[1]
+        positions = torch.arange(P, P + T, device=self.device)[None]
+        mask = self._masks(lambda window: _causal_mask(P, T, self.dtype, self.device, window))
+        out = self._forward(cache, input_ids.to(self.device), positions, mask, logits_to_keep=0 if all_logits else 1)
+        cache.num_tokens = P + T
+        return out
+
+    @torch.inference_mode()
+    def verify(self, cache: TargetCache, layout: TreeLayout) -> TargetOutput:
+        """One forward over the root and the selected nodes of `layout` (batch 1).
+
+        Returns logits [1, 1+K, V], capture hidden [1, 1+K, 3H] and expert ids
+        [1, 1+K, L_moe, topk] at layout positions; the 1+K slots stay in the cache
+        until `commit`.
+        """
+        if layout.batch_size != 1:
+            raise ValueError(f"TargetModel.verify handles one request at a time, got a layout of batch {layout.batch_size}")
+        self._check_ready(cache, layout.token_ids)
+        P = cache.num_tokens
+        positions = layout.position_ids(P).to(self.device)
+        mask = self._masks(lambda window: layout.attention_mask(P, self.dtype, window).to(self.device))
+        out = self._forward(cache, layout.token_ids.to(self.device), positions, mask, logits_to_keep=0)
+        cache.num_pending = layout.num_positions
+        return out
+
+    @torch.inference_mode()
+    def commit(self, cache: TargetCache, accepted_pos: torch.Tensor) -> None:
+        """Keep the root and the accepted layout positions `accepted_pos` [D] (-1 pad, in
+        path order) of the last verify; drop every other tree slot. Afterwards the cache
+        equals that of decoding root + accepted tokens one by one.
+        """
+        if cache.num_pending == 0:
+            raise ValueError("commit() without a pending verify()")
+        P, pending = cache.num_tokens, cache.num_pending
+        accepted = accepted_pos.reshape(-1).to(self.device)
+        accepted = accepted[accepted >= 0]
+        if accepted.numel() and (accepted.max() >= pending or accepted.min() < 1):
+            raise ValueError(f"accepted positions {accepted.tolist()} out of the layout range 1..{pending - 1}")
+        n = 1 + accepted.numel()
+        chain = bool(torch.equal(accepted.cpu(), torch.arange(1, n)))
+        src = P + torch.cat([accepted.new_zeros(1), accepted])
+        for layer in cache.kv.layers:
+            if not chain:  # copy accepted slots down; the source is gathered first, so no aliasing
+                layer.keys[:, :, P : P + n] = layer.keys[:, :, src]
+                layer.values[:, :, P : P + n] = layer.values[:, :, src]
+            layer.keys = layer.keys[:, :, : P + n]
+            layer.values = layer.values[:, :, : P + n]
+        cache.num_tokens, cache.num_pending = P + n, 0
+
+    # ------------------------------------------------------------------ helpers
+    def _check_ready(self, cache: TargetCache, token_ids: torch.Tensor) -> None:
+        if cache.num_pending:
+            raise ValueError("the cache has uncommitted tree slots: call commit() after verify()")
+        if token_ids.dim() != 2 or token_ids.shape[0] != 1 or token_ids.shape[1] == 0:
+            raise ValueError(f"expected token ids of shape [1, T>0], got {tuple(token_ids.shape)}")
+        if int(token_ids.max()) >= self.vocab_size or int(token_ids.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range "
+                             f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+
+    def _masks(self, build):
+        """The attention-mask argument: one tensor, or the per-layer-type dict GPT-OSS takes."""
+        if not self.spec.mask_by_layer_type:
+            return build(self.sliding_window)
+        masks = {"full_attention": build(None)}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = build(self.sliding_window)
+        return masks
+
+    def _forward(self, cache: TargetCache, input_ids, positions, mask, logits_to_keep: int) -> TargetOutput:
+        recorder = _Recorder(self._capture_modules, self._routers, self.experts_per_token)
+        with recorder:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kwarg: cache.kv},
+            )
+        B, T = input_ids.shape
+        return TargetOutput(
+            logits=out.logits.float(),
+            hidden=torch.cat(recorder.hidden, dim=-1),
+            expert_ids=torch.stack(recorder.expert_ids, dim=1).reshape(B, T, len(self._routers), -1),
+        )
+
+
+class _Recorder(contextlib.AbstractContextManager):
+    """Hooks that live for one forward: capture-layer inputs and router top-k ids."""
+
+    def __init__(self, capture_modules: list[nn.Module], routers: list[nn.Module], top_k: int):
+        self.hidden: list[torch.Tensor] = []
+        self.expert_ids: list[torch.Tensor] = []  # per MoE layer: [B*T, topk]
+        self._capture_modules, self._routers, self._top_k = capture_modules, routers, top_k
+        self._handles = []
+
+    def __enter__(self):
+        for module in self._capture_modules:
+            self._handles.append(module.register_forward_pre_hook(self._on_layer_input, with_kwargs=True))
+        for router in self._routers:
+            self._handles.append(router.register_forward_hook(self._on_router_output))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
+
+    def _on_layer_input(self, module, args, kwargs):
+        self.hidden.append(args[0] if args else kwargs["hidden_states"])
+
+    def _on_router_output(self, module, args, output):
+        self.expert_ids.append(router_topk_ids(output, self._top_k))
+
+
+def _causal_mask(prefix_len: int, num_new: int, dtype, device, window: int | None) -> torch.Tensor:
+    """[1, 1, T, P+T] additive causal mask for T new tokens after P cached ones."""
+    q = torch.arange(prefix_len, prefix_len + num_new, device=device)[:, None]
+    k = torch.arange(prefix_len + num_new, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= (q - k) < window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
