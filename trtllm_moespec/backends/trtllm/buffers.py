@@ -1,0 +1,187 @@
+"""Translation between TensorRT-LLM's EAGLE-3 dynamic-tree buffers and our DraftTree.
+
+Source read: NVIDIA/TensorRT-LLM `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py`
+@ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc (`Eagle3OneModelDynamicTreeWorker.__init__`,
+`update_draft_tokens_and_scores`, `resampling_final_draft_tokens`, `_forward_draft_loop`)
+and `dynamic_tree_ops.py` @ 16f026718eaba46002916d68bc00d12f80acf6e9 (`build_dynamic_tree`).
+With K = dynamic_tree_max_topK and D = max_draft_len the worker keeps, per request:
+
+- history_draft_tokens_buffer [B, K + K*K*(D-1)] int32 and history_score_buffer
+  (same shape, float32): draft step 0 writes the root's top-K tokens and their
+  softmax probabilities at [0, K); step l >= 1 writes all K*K children of the
+  step's K frontier nodes at [K + (l-1)*K*K, K + l*K*K), child c of frontier slot f
+  at offset f*K + c, with score = parent score * child probability. Scores are
+  therefore path probabilities (our `scores`), tokens already in the target vocabulary.
+- history_draft_tokens_parent_buffer [B, max(K*(D-1)+1, K+1)] int64: entry 0 is -1
+  (the root), entries 1..K are 0..K-1 (the step-0 nodes), and entries 1+l*K .. l*K+K
+  hold the history indices of the frontier chosen at step l. Hence the parent of
+  history node h is -1 for h < K and parent_buffer[h // K] otherwise (the same rule
+  the tree-building kernel applies).
+- resampling_final_draft_tokens(batch_size) returns (real_draft_tokens [B, N] int32,
+  topk_score_indices [B, N] int64) with N = max_total_draft_tokens: the history
+  indices of the top-N scores sorted ascending, and their tokens. build_dynamic_tree
+  then derives mask, positions and retrieve indices from those indices and the
+  parent buffer; it needs N distinct, parent-closed indices.
+
+A history index is used directly as our node index: parents precede children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core.tree import DraftTree, score_order
+
+
+def history_size(topk: int, max_draft_len: int) -> int:
+    """Nodes in the history buffers: K + K*K*(D-1)."""
+    return topk + topk * topk * (max_draft_len - 1)
+
+
+def parent_buffer_size(topk: int, max_draft_len: int) -> int:
+    """Entries of the parent buffer: max(K*(D-1)+1, K+1)."""
+    return max(topk * (max_draft_len - 1) + 1, topk + 1)
+
+
+@dataclass(frozen=True)
+class DynamicTreeHistory:
+    """The dynamic-tree worker's history buffers for a batch (views, not copies)."""
+
+    draft_tokens: torch.Tensor  # [B, K + K*K*(D-1)] int32 history_draft_tokens_buffer
+    scores: torch.Tensor  # [B, K + K*K*(D-1)] float32 history_score_buffer (path probabilities)
+    parents: torch.Tensor  # [B, max(K*(D-1)+1, K+1)] int64 history_draft_tokens_parent_buffer
+    topk: int  # dynamic_tree_max_topK
+    max_draft_len: int  # drafting steps D
+
+    def validate(self) -> None:
+        """Raise ValueError unless the shapes are TensorRT-LLM's for (topk, max_draft_len)."""
+        if self.topk < 1 or self.max_draft_len < 1:
+            raise ValueError(f"topk and max_draft_len must be positive, got {self.topk}, {self.max_draft_len}")
+        H, P = history_size(self.topk, self.max_draft_len), parent_buffer_size(self.topk, self.max_draft_len)
+        B = self.draft_tokens.shape[0]
+        for name, tensor, width in (("draft_tokens", self.draft_tokens, H), ("scores", self.scores, H), ("parents", self.parents, P)):
+            if tensor.dim() != 2 or tuple(tensor.shape) != (B, width):
+                raise ValueError(f"history {name} has shape {tuple(tensor.shape)}, expected ({B}, {width}) for K={self.topk}, D={self.max_draft_len}")
+
+
+def history_parent_index(parents: torch.Tensor, topk: int, num_history: int) -> torch.Tensor:
+    """[B, H] int64 parent history index of every history node (-1 = root).
+
+    parents: [B, P] the worker's parent buffer.
+    """
+    h = torch.arange(num_history, device=parents.device)
+    slot = (h // topk).clamp(max=parents.shape[1] - 1)
+    gathered = parents.long()[:, slot]  # [B, H]
+    return torch.where(h < topk, torch.full_like(gathered, -1), gathered)
+
+
+def draft_tree_from_history(history: DynamicTreeHistory) -> DraftTree:
+    """Our DraftTree over all history nodes (node idx = history idx).
+
+    Local probabilities are recovered as score / parent score; nodes with a zero
+    score (unused slots) are padding.
+    """
+    history.validate()
+    H = history.scores.shape[1]
+    parents = history_parent_index(history.parents, history.topk, H)
+    scores = history.scores.float()
+    parent_scores = torch.where(parents >= 0, scores.gather(1, parents.clamp(min=0)), torch.ones_like(scores))
+    valid = (scores > 0) & torch.isfinite(scores)
+    q = torch.where(valid, scores / parent_scores.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(scores))
+    return DraftTree.from_parents(history.draft_tokens.long(), parents, q.clamp(0.0, 1.0), valid)
+
+
+@dataclass(frozen=True)
+class TrtllmDraftSelection:
+    """What `resampling_final_draft_tokens` returns, plus how much of it our policy chose."""
+
+    draft_tokens: torch.Tensor  # [B, N] int32 tokens at topk_score_indices (real_draft_tokens)
+    topk_score_indices: torch.Tensor  # [B, N] int64 history indices, ascending, distinct, parent-closed
+    num_selected: torch.Tensor  # [B] int64 nodes chosen by the policy; the other N - k are padding
+
+
+def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length: int) -> torch.Tensor:
+    """[B, N] int64: the selected nodes, then the best unselected nodes by score, N = verify_length.
+
+    node_idx: [B, K] parent-closed selection (-1 pad). A CUDA graph captured for N
+    draft tokens verifies exactly N; the slots the policy left free are filled in
+    score order, which keeps the set parent-closed (a parent never scores below its
+    child and ties go to the shallower node). Raises ValueError when the selection
+    exceeds N or the tree has fewer than N real nodes.
+    """
+    B, M = tree.token_ids.shape
+    chosen = node_idx >= 0
+    num_chosen = chosen.sum(1)
+    if (num_chosen > verify_length).any():
+        raise ValueError(f"selection of {int(num_chosen.max())} nodes exceeds the captured verify length {verify_length}")
+    if (tree.num_valid < verify_length).any():
+        raise ValueError(f"the draft tree has {int(tree.num_valid.min())} real nodes, fewer than verify length {verify_length}")
+    selected = torch.zeros(B, M + 1, dtype=torch.bool, device=node_idx.device)
+    selected.scatter_(1, torch.where(chosen, node_idx, M), True)
+    selected = selected[:, :M]
+    order = score_order(tree)  # [B, M]
+    unselected_first = (~selected).gather(1, order).to(torch.int8)
+    order = order.gather(1, unselected_first.argsort(dim=1, stable=True))
+    return order[:, :verify_length]
+
+
+def selection_to_trtllm(
+    history: DynamicTreeHistory, tree: DraftTree, node_idx: torch.Tensor, verify_length: int
+) -> TrtllmDraftSelection:
+    """Our selection as TensorRT-LLM's (real_draft_tokens, topk_score_indices), padded to N."""
+    padded = pad_to_verify_length(tree, node_idx, verify_length)
+    indices = padded.sort(1).values
+    tokens = history.draft_tokens.gather(1, indices.to(history.draft_tokens.device)).to(torch.int32)
+    return TrtllmDraftSelection(tokens, indices.long(), (node_idx >= 0).sum(1))
+
+
+def default_resampling(history: DynamicTreeHistory, verify_length: int) -> TrtllmDraftSelection:
+    """Reference for TensorRT-LLM's own pruning: the top-N history scores, indices ascending."""
+    history.validate()
+    indices = history.scores.topk(verify_length, dim=1).indices.sort(1).values
+    tokens = history.draft_tokens.gather(1, indices).to(torch.int32)
+    n = torch.full((history.scores.shape[0],), verify_length, dtype=torch.int64)
+    return TrtllmDraftSelection(tokens, indices.long(), n)
+
+
+def selected_parent_positions(history: DynamicTreeHistory, indices: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64 position (within `indices`) of each selected node's parent; -1 = root.
+
+    This is the tree the verifier will see. Raises ValueError when a parent is not
+    selected (TensorRT-LLM's tree builder assumes a parent-closed selection).
+    """
+    parents = history_parent_index(history.parents, history.topk, history.scores.shape[1])
+    node_parent = parents.gather(1, indices)  # [B, N]
+    match = indices[:, None, :] == node_parent[:, :, None]  # [B, N(child), N(candidate parent)]
+    found = match.any(-1)
+    if ((node_parent >= 0) & ~found).any():
+        b, i = ((node_parent >= 0) & ~found).nonzero()[0].tolist()
+        raise ValueError(f"request {b}: selected node {int(indices[b, i])} has unselected parent {int(node_parent[b, i])}")
+    return torch.where(node_parent >= 0, match.float().argmax(-1), torch.full_like(node_parent, -1))
+
+
+def chain_tree(draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> DraftTree:
+    """A linear EAGLE-3 draft as a DraftTree: node i's parent is i-1.
+
+    draft_tokens, draft_probs: [B, D] (chain mode: sliding-window targets).
+    """
+    B, D = draft_tokens.shape
+    parents = (torch.arange(D, device=draft_tokens.device) - 1).expand(B, D)
+    return DraftTree.from_parents(draft_tokens, parents, draft_probs.float().clamp(0.0, 1.0))
+
+
+def chain_prefix_length(node_idx: torch.Tensor) -> torch.Tensor:
+    """[B] int64 verified prefix length of a parent-closed selection on a chain.
+
+    Raises ValueError unless the selected nodes are exactly 0..k-1 (a prefix).
+    """
+    chosen = node_idx >= 0
+    k = chosen.sum(1)
+    ascending = torch.where(chosen, node_idx, torch.iinfo(torch.int64).max).sort(1).values
+    position = torch.arange(node_idx.shape[1], device=node_idx.device)
+    is_prefix = torch.where(position < k[:, None], ascending == position, True).all()
+    if not bool(is_prefix):
+        raise ValueError("a chain selection must be a prefix of the chain (parent-closed)")
+    return k

@@ -1,0 +1,168 @@
+"""TensorRT-LLM field names we generate, as verified in its sources, and a validator.
+
+Everything we write for TensorRT-LLM (the `extra_llm_api_options` YAML files of an
+engine directory) is checked against the allowed key sets below, so a typo or a
+field that the pinned version does not know fails here, on CPU, instead of on a
+GPU node. The sets hold only the fields we emit or accept, not all of TensorRT-LLM.
+
+Where they were read (NVIDIA/TensorRT-LLM; the source index stores file versions
+by commit, without release tags, so the commits are the ones it served):
+- `tensorrt_llm/llmapi/llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412
+  (newest stored) and an older stored version whose `DecodingBaseConfig` already has
+  `max_total_draft_tokens` but names the draft only `speculative_model_dir`:
+  * DecodingBaseConfig: max_draft_len, max_total_draft_tokens, speculative_model
+    (validation alias `speculative_model_dir`; older versions: only
+    `speculative_model_dir`, so we emit that name), use_rejection_sampling.
+  * EagleDecodingConfig: eagle_choices, greedy_sampling, posterior_threshold,
+    use_dynamic_tree, dynamic_tree_max_topK, num_eagle_layers,
+    max_non_leaves_per_layer, eagle3_one_model, eagle3_layers_to_capture
+    (default {1, L//2-1, L-4}: layer *outputs*, i.e. inputs of layers 2, L//2, L-3).
+    Its validator requires, for a dynamic tree, dynamic_tree_max_topK > 0 and
+    max_draft_len <= max_total_draft_tokens <= dynamic_tree_max_topK * max_draft_len.
+  * Eagle3DecodingConfig(EagleDecodingConfig): decoding_type "Eagle3".
+  * CudaGraphConfig: batch_sizes, max_batch_size, enable_padding (max_batch_size
+    must equal max(batch_sizes) when both are given).
+  * LLM args: tensor_parallel_size, pipeline_parallel_size, moe_expert_parallel_size,
+    moe_tensor_parallel_size, max_batch_size, max_num_tokens, max_seq_len, dtype,
+    kv_cache_config, cuda_graph_config, speculative_config, enable_attention_dp,
+    disable_overlap_scheduler, backend.
+  * KvCacheConfig: free_gpu_memory_fraction, enable_block_reuse, max_tokens.
+- `tensorrt_llm/mapping.py` (as quoted by several stored sources): the MoE grid must
+  fill the tensor-parallel group, moe_tp_size * moe_ep_size * moe_cluster_size == tp_size.
+- `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc:
+  buffer shapes used by `buffers.py` (documented there).
+- `triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt` @ 0a71057313ec0626527e164a8fc0205c5822e2f5
+  and `1/model.yaml` @ 0ebb1536ac12bbe27201185de960df3ab00bcecc: Triton tensor names
+  (`text_input`, `streaming`, `sampling_param_*`, `text_output`, `acceptance_rate`,
+  `total_accepted_draft_tokens`, `total_draft_tokens`) and the `triton_config` block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# The tensorrt_llm releases the adapter is written against (PEP 440 bounds).
+SUPPORTED_TRTLLM_MIN = "1.2.0"  # inclusive
+SUPPORTED_TRTLLM_MAX = "1.3.0"  # exclusive
+SUPPORTED_TRTLLM_RANGE = f">={SUPPORTED_TRTLLM_MIN},<{SUPPORTED_TRTLLM_MAX}"
+
+SPECULATIVE_CONFIG_FIELDS = frozenset(
+    {
+        "decoding_type",
+        "max_draft_len",
+        "max_total_draft_tokens",
+        "speculative_model",
+        "speculative_model_dir",
+        "use_rejection_sampling",
+        "eagle_choices",
+        "greedy_sampling",
+        "posterior_threshold",
+        "use_dynamic_tree",
+        "dynamic_tree_max_topK",
+        "num_eagle_layers",
+        "max_non_leaves_per_layer",
+        "eagle3_one_model",
+        "eagle3_layers_to_capture",
+    }
+)
+EAGLE3_DECODING_TYPE = "Eagle3"
+
+CUDA_GRAPH_CONFIG_FIELDS = frozenset({"batch_sizes", "max_batch_size", "enable_padding"})
+
+KV_CACHE_CONFIG_FIELDS = frozenset({"free_gpu_memory_fraction", "enable_block_reuse", "max_tokens"})
+
+LLM_ARGS_FIELDS = frozenset(
+    {
+        "backend",
+        "dtype",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "moe_expert_parallel_size",
+        "moe_tensor_parallel_size",
+        "enable_attention_dp",
+        "max_batch_size",
+        "max_num_tokens",
+        "max_seq_len",
+        "kv_cache_config",
+        "cuda_graph_config",
+        "speculative_config",
+        "disable_overlap_scheduler",
+    }
+)
+
+# Triton llmapi model (config.pbtxt): request inputs and outputs we mirror.
+TRITON_LLMAPI_INPUTS = frozenset(
+    {
+        "text_input",
+        "streaming",
+        "sampling_param_temperature",
+        "sampling_param_top_k",
+        "sampling_param_top_p",
+        "sampling_param_max_tokens",
+        "sampling_param_stop",
+        "sampling_param_seed",
+    }
+)
+TRITON_LLMAPI_OUTPUTS = frozenset({"text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"})
+TRITON_CONFIG_FIELDS = frozenset({"max_batch_size", "decoupled"})
+
+
+def _check_keys(section: str, data: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{section} must be a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{section}: unknown TensorRT-LLM field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def validate_speculative_config(spec: Mapping[str, Any]) -> None:
+    """Check an Eagle3 speculative_config mapping as TensorRT-LLM's validators would."""
+    _check_keys("speculative_config", spec, SPECULATIVE_CONFIG_FIELDS)
+    if spec.get("decoding_type") != EAGLE3_DECODING_TYPE:
+        raise ValueError(f"speculative_config.decoding_type must be {EAGLE3_DECODING_TYPE!r}, got {spec.get('decoding_type')!r}")
+    if not (spec.get("speculative_model_dir") or spec.get("speculative_model")):
+        raise ValueError("speculative_config needs speculative_model_dir (the EAGLE-3 draft checkpoint)")
+    draft_len = spec.get("max_draft_len")
+    if not isinstance(draft_len, int) or draft_len <= 0:
+        raise ValueError(f"speculative_config.max_draft_len must be a positive int, got {draft_len!r}")
+    total = spec.get("max_total_draft_tokens", draft_len)
+    if spec.get("use_dynamic_tree"):
+        topk = spec.get("dynamic_tree_max_topK")
+        if not isinstance(topk, int) or topk <= 0:
+            raise ValueError(f"dynamic tree needs dynamic_tree_max_topK > 0, got {topk!r}")
+        if not draft_len <= total <= topk * draft_len:
+            raise ValueError(
+                f"max_total_draft_tokens={total} must lie in [max_draft_len={draft_len}, "
+                f"dynamic_tree_max_topK*max_draft_len={topk * draft_len}]"
+            )
+    elif total != draft_len:
+        raise ValueError(f"a linear (chain) draft needs max_total_draft_tokens == max_draft_len, got {total} != {draft_len}")
+    layers = spec.get("eagle3_layers_to_capture")
+    if layers is not None and (not isinstance(layers, (list, set, tuple)) or not all(isinstance(x, int) for x in layers)):
+        raise ValueError(f"eagle3_layers_to_capture must be a list of ints, got {layers!r}")
+
+
+def validate_cuda_graph_config(cfg: Mapping[str, Any]) -> None:
+    _check_keys("cuda_graph_config", cfg, CUDA_GRAPH_CONFIG_FIELDS)
+    sizes = cfg.get("batch_sizes")
+    if sizes is not None:
+        if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+            raise ValueError(f"cuda_graph_config.batch_sizes must be positive ints, got {sizes!r}")
+        if cfg.get("max_batch_size", max(sizes)) != max(sizes):
+            raise ValueError("cuda_graph_config.max_batch_size must equal max(batch_sizes)")
+
+
+def validate_llm_api_options(options: Mapping[str, Any]) -> None:
+    """Validate an `extra_llm_api_options` mapping; raises ValueError naming the problem."""
+    _check_keys("llm_api_options", options, LLM_ARGS_FIELDS)
+    if "speculative_config" in options:
+        validate_speculative_config(options["speculative_config"])
+    if "cuda_graph_config" in options:
+        validate_cuda_graph_config(options["cuda_graph_config"])
+    if "kv_cache_config" in options:
+        _check_keys("kv_cache_config", options["kv_cache_config"], KV_CACHE_CONFIG_FIELDS)
+    tp = options.get("tensor_parallel_size", 1)
+    ep = options.get("moe_expert_parallel_size")
+    moe_tp = options.get("moe_tensor_parallel_size")
+    if ep is not None and moe_tp is not None and ep * moe_tp != tp:
+        raise ValueError(f"moe_tensor_parallel_size*moe_expert_parallel_size = {moe_tp}*{ep} must equal tensor_parallel_size={tp}")
