@@ -77,20 +77,41 @@ def history_parent_index(parents: torch.Tensor, topk: int, num_history: int) -> 
     return torch.where(h < topk, torch.full_like(gathered, -1), gathered)
 
 
-def draft_tree_from_history(history: DynamicTreeHistory) -> DraftTree:
+def history_depth(topk: int, num_history: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[H] int64 depth of each history node: 1 for step 0, l + 1 for step l."""
+    h = torch.arange(num_history, device=device)
+    return torch.where(h < topk, 1, (h - topk) // (topk * topk) + 2)
+
+
+def draft_tree_from_history(history: DynamicTreeHistory, checks: bool = True) -> DraftTree:
     """Our DraftTree over all history nodes (node idx = history idx).
 
     Local probabilities are recovered as score / parent score; nodes with a zero
-    score (unused slots) are padding.
+    score (unused slots) are padding. checks=False skips the shape check and
+    DraftTree.validate() (both synchronise with the host, which a CUDA graph
+    capture forbids); the construction itself is branch-free tensor code.
     """
-    history.validate()
-    H = history.scores.shape[1]
+    if checks:
+        history.validate()
+    B, H = history.scores.shape
+    device = history.scores.device
     parents = history_parent_index(history.parents, history.topk, H)
     scores = history.scores.float()
     parent_scores = torch.where(parents >= 0, scores.gather(1, parents.clamp(min=0)), torch.ones_like(scores))
     valid = (scores > 0) & torch.isfinite(scores)
     q = torch.where(valid, scores / parent_scores.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(scores))
-    return DraftTree.from_parents(history.draft_tokens.long(), parents, q.clamp(0.0, 1.0), valid)
+    depth = history_depth(history.topk, H, device).expand(B, H)
+    tree = DraftTree(
+        token_ids=history.draft_tokens.long(),
+        parents=torch.where(valid, parents, torch.full_like(parents, -1)),
+        depth=torch.where(valid, depth, torch.zeros_like(depth)),
+        draft_probs=q.clamp(0.0, 1.0),
+        log_scores=torch.where(valid, scores.log(), torch.full_like(scores, float("-inf"))),
+        valid=valid,
+    )
+    if checks:
+        tree.validate()
+    return tree
 
 
 @dataclass(frozen=True)
@@ -102,22 +123,23 @@ class TrtllmDraftSelection:
     num_selected: torch.Tensor  # [B] int64 nodes chosen by the policy; the other N - k are padding
 
 
-def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length: int) -> torch.Tensor:
+def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length: int, checks: bool = True) -> torch.Tensor:
     """[B, N] int64: the selected nodes, then the best unselected nodes by score, N = verify_length.
 
     node_idx: [B, K] parent-closed selection (-1 pad). A CUDA graph captured for N
     draft tokens verifies exactly N; the slots the policy left free are filled in
     score order, which keeps the set parent-closed (a parent never scores below its
     child and ties go to the shallower node). Raises ValueError when the selection
-    exceeds N or the tree has fewer than N real nodes.
+    exceeds N or the tree has fewer than N real nodes (checks=False: no host sync).
     """
     B, M = tree.token_ids.shape
     chosen = node_idx >= 0
-    num_chosen = chosen.sum(1)
-    if (num_chosen > verify_length).any():
-        raise ValueError(f"selection of {int(num_chosen.max())} nodes exceeds the captured verify length {verify_length}")
-    if (tree.num_valid < verify_length).any():
-        raise ValueError(f"the draft tree has {int(tree.num_valid.min())} real nodes, fewer than verify length {verify_length}")
+    if checks:
+        num_chosen = chosen.sum(1)
+        if (num_chosen > verify_length).any():
+            raise ValueError(f"selection of {int(num_chosen.max())} nodes exceeds the captured verify length {verify_length}")
+        if (tree.num_valid < verify_length).any():
+            raise ValueError(f"the draft tree has {int(tree.num_valid.min())} real nodes, fewer than verify length {verify_length}")
     selected = torch.zeros(B, M + 1, dtype=torch.bool, device=node_idx.device)
     selected.scatter_(1, torch.where(chosen, node_idx, M), True)
     selected = selected[:, :M]
@@ -128,10 +150,10 @@ def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length:
 
 
 def selection_to_trtllm(
-    history: DynamicTreeHistory, tree: DraftTree, node_idx: torch.Tensor, verify_length: int
+    history: DynamicTreeHistory, tree: DraftTree, node_idx: torch.Tensor, verify_length: int, checks: bool = True
 ) -> TrtllmDraftSelection:
     """Our selection as TensorRT-LLM's (real_draft_tokens, topk_score_indices), padded to N."""
-    padded = pad_to_verify_length(tree, node_idx, verify_length)
+    padded = pad_to_verify_length(tree, node_idx, verify_length, checks)
     indices = padded.sort(1).values
     tokens = history.draft_tokens.gather(1, indices.to(history.draft_tokens.device)).to(torch.int32)
     return TrtllmDraftSelection(tokens, indices.long(), (node_idx >= 0).sum(1))

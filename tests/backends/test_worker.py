@@ -1,0 +1,154 @@
+"""Version check and worker installation against stand-in tensorrt_llm modules.
+
+TensorRT-LLM cannot be installed on these CPU machines, so the module tree that
+install() patches is built here from types.ModuleType objects with the same names
+and signatures as tensorrt_llm 1.2.x (the only stand-ins in the test suite).
+The selection itself is real: history buffers filled as TRT-LLM fills them.
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.backends.test_buffers import fill_history, random_draft
+from trtllm_moespec.backends.trtllm import worker as moespec_worker
+from trtllm_moespec.backends.trtllm.buffers import default_resampling, selected_parent_positions
+from trtllm_moespec.backends.trtllm.version import UnsupportedTensorRTLLMVersion, check_version, is_supported
+from trtllm_moespec.backends.trtllm.worker import (
+    WorkerSettings,
+    install,
+    make_selector,
+    moespec_resampling,
+    uninstall,
+)
+
+
+@pytest.mark.parametrize(
+    "version,ok", [("1.2.0", True), ("1.2.7", True), ("1.2.0.post1", True), ("1.2.0rc2", False), ("1.1.0", False), ("1.3.0", False), ("0.21.0", False)]
+)
+def test_version_range(version, ok):
+    assert is_supported(version) is ok
+    if ok:
+        assert check_version(version) == version
+    else:
+        with pytest.raises(UnsupportedTensorRTLLMVersion, match="not supported by trtllm_moespec"):
+            check_version(version)
+
+
+def test_invalid_version_string():
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="not a valid version"):
+        check_version("nightly")
+
+
+class _Mode:
+    def __init__(self, eagle3_one_model):
+        self._e = eagle3_one_model
+
+    def is_eagle3_one_model(self):
+        return self._e
+
+
+class _SpecConfig:
+    def __init__(self, dynamic, eagle3=True):
+        self.spec_dec_mode = _Mode(eagle3)
+        self.use_dynamic_tree = dynamic
+
+
+def _fake_trtllm(monkeypatch, version="1.2.1", history=None, verify_length=8):
+    """Register tensorrt_llm, ._torch.speculative(.utils, .eagle3_dynamic_tree), ._torch.models.modeling_speculative."""
+    names = [
+        "tensorrt_llm",
+        "tensorrt_llm._torch",
+        "tensorrt_llm._torch.speculative",
+        "tensorrt_llm._torch.speculative.utils",
+        "tensorrt_llm._torch.speculative.eagle3_dynamic_tree",
+        "tensorrt_llm._torch.models",
+        "tensorrt_llm._torch.models.modeling_speculative",
+    ]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods["tensorrt_llm"].__version__ = version
+
+    class Eagle3OneModelDynamicTreeWorker:
+        def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
+            self.spec_config, self.mapping, self.separate = spec_config, mapping, use_separate_draft_kv_cache
+            self.K, self.max_draft_len = history.topk, history.max_draft_len
+            self.max_total_draft_tokens = verify_length
+            self.history_draft_tokens_buffer = history.draft_tokens
+            self.history_score_buffer = history.scores
+            self.history_draft_tokens_parent_buffer = history.parents
+
+        def resampling_final_draft_tokens(self, batch_size):
+            out = default_resampling(history, self.max_total_draft_tokens)
+            return out.draft_tokens[:batch_size], out.topk_score_indices[:batch_size]
+
+    class LinearWorker:
+        def __init__(self, spec_config, mapping):
+            self.spec_config = spec_config
+
+    def get_spec_worker(spec_config, model_config, mapping, use_separate_draft_kv_cache: bool = False):
+        if spec_config.spec_dec_mode.is_eagle3_one_model() and spec_config.use_dynamic_tree:
+            return Eagle3OneModelDynamicTreeWorker(spec_config, mapping, use_separate_draft_kv_cache)
+        return LinearWorker(spec_config, mapping)
+
+    mods["tensorrt_llm._torch.speculative.eagle3_dynamic_tree"].Eagle3OneModelDynamicTreeWorker = Eagle3OneModelDynamicTreeWorker
+    for n in ("tensorrt_llm._torch.speculative.utils", "tensorrt_llm._torch.speculative", "tensorrt_llm._torch.models.modeling_speculative"):
+        setattr(mods[n], "get_spec_worker", get_spec_worker)
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    return mods, get_spec_worker, Eagle3OneModelDynamicTreeWorker
+
+
+def test_install_swaps_worker_everywhere_and_uninstall_restores(monkeypatch):
+    history = fill_history(*random_draft(2, 4, 3, seed=5))
+    mods, original, base = _fake_trtllm(monkeypatch, history=history, verify_length=8)
+    record = install(WorkerSettings(policy="eagle3"))
+    assert set(record.patched_modules) == {
+        "tensorrt_llm._torch.speculative",
+        "tensorrt_llm._torch.speculative.utils",
+        "tensorrt_llm._torch.models.modeling_speculative",
+    }
+    factory = mods["tensorrt_llm._torch.models.modeling_speculative"].get_spec_worker
+    assert factory is not original
+
+    worker = factory(_SpecConfig(dynamic=True), None, "mapping", use_separate_draft_kv_cache=True)
+    assert isinstance(worker, base) and type(worker).__name__ == "MoESpecDynamicTreeWorker"
+    assert worker.mapping == "mapping" and worker.separate is True
+    # eagle3 with budget = verify length reproduces TensorRT-LLM's own top-N pruning.
+    ours_tokens, ours_idx = worker.resampling_final_draft_tokens(2)
+    theirs_tokens, theirs_idx = base.resampling_final_draft_tokens(worker, 2)
+    assert torch.equal(ours_idx, theirs_idx) and torch.equal(ours_tokens, theirs_tokens)
+    assert ours_tokens.dtype == torch.int32 and ours_idx.shape == (2, 8)
+
+    # Linear EAGLE-3 and other modes keep TensorRT-LLM's own worker.
+    assert type(factory(_SpecConfig(dynamic=False), None, None)).__name__ == "LinearWorker"
+
+    # A second install wraps the original, not the wrapper.
+    install(WorkerSettings(policy="coverage", policy_options={"rho": 0.5}))
+    again = mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker
+    assert again.__moespec_original__ is original
+
+    assert set(uninstall()) == set(record.patched_modules)
+    assert mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker is original
+
+
+def test_install_refuses_unsupported_version_and_expert_policies(monkeypatch):
+    history = fill_history(*random_draft(1, 2, 2, seed=1))
+    mods, original, _ = _fake_trtllm(monkeypatch, version="1.1.0", history=history, verify_length=2)
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="1.1.0 is not supported"):
+        install(WorkerSettings(policy="eagle3"))
+    assert mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker is original
+    mods["tensorrt_llm"].__version__ = "1.2.0"
+    with pytest.raises(ValueError, match="per-node expert predictions"):
+        install(WorkerSettings(policy="joint"))
+    with pytest.raises(ValueError, match="cost_profile"):
+        make_selector(WorkerSettings(policy="evict"), 8)
+
+
+def test_coverage_selection_is_padded_and_parent_closed():
+    history = fill_history(*random_draft(3, 8, 4, seed=9))
+    select = make_selector(WorkerSettings(policy="coverage", policy_options={"rho": 0.3}), 32)
+    tokens, indices = moespec_resampling(history, select, 32, checks=True)
+    assert tokens.shape == (3, 32) and (indices.diff(dim=1) > 0).all()
+    selected_parent_positions(history, indices)
