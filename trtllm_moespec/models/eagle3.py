@@ -1,0 +1,410 @@
+"""EAGLE-3 drafter in the SpecForge / SGLang checkpoint format (`LlamaForCausalLMEagle3`).
+
+Architecture (SGLang `llama_eagle3.py`, SpecForge `llama3_eagle.py`): one decoder
+layer whose attention takes 2H inputs, the concatenation of
+`input_layernorm(embed(token))` and `hidden_norm(h)`; the residual stream starts
+at h. On the first draft step h = fc(concat of the target's three captured hidden
+states) [3*H_target -> H]; on later steps h is the drafter's own pre-norm output
+(the residual stream after the MLP) at the parent node. Logits come from
+`lm_head(norm(h_out))` over the draft vocabulary; a draft id d maps to the target
+id `d + d2t[d]`.
+
+Pairing (EAGLE-3): drafter position t holds (embedding of token t+1, target hidden
+at position t) and predicts token t+2. So after the target has processed tokens
+x_0..x_{n-1} and x_n is the next (root) token, the drafter cache holds positions
+0..n-1 with tokens x_1..x_n and the last position's output proposes the root's
+children. `prefill` and `commit` take care of this pairing.
+
+This module holds the network, its KV cache and checkpoint I/O; tree drafting
+lives in `eagle3_draft.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import check_safetensors_dir, parse_dtype, safetensors_files
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """The config.json fields an EAGLE-3 head uses (names as in the checkpoints)."""
+
+    hidden_size: int  # drafter width H
+    intermediate_size: int  # MLP width
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary (embedding rows, t2d length)
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int  # H_target; fc maps 3*H_target -> H
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+
+    @staticmethod
+    def from_dict(d: dict) -> "Eagle3Config":
+        archs = d.get("architectures") or []
+        if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise ValueError(f"not an EAGLE-3 drafter config: architectures={archs}, expected {list(EAGLE3_ARCHITECTURES)}")
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"only single-layer EAGLE-3 heads are supported, got num_hidden_layers={d['num_hidden_layers']}")
+        hidden, heads = d["hidden_size"], d["num_attention_heads"]
+        rope = d.get("rope_parameters") or {}
+        return Eagle3Config(
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or hidden // heads,
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+            target_hidden_size=d.get("target_hidden_size") or hidden,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            hidden_act=d.get("hidden_act", "silu"),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act, "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling, "tie_word_embeddings": False,
+        }
+
+
+@dataclass(frozen=True)
+class Eagle3Output:
+    """One drafter forward over T positions."""
+
+    logits: torch.Tensor  # [B, T, V_draft] float32
+    hidden: torch.Tensor  # [B, T, H] pre-norm output (fed back as h on the next draft step)
+    keys: torch.Tensor  # [B, KVH, T, D] this forward's keys (rotary applied), for the caller to cache
+    values: torch.Tensor  # [B, KVH, T, D]
+
+
+@dataclass
+class Eagle3Cache:
+    """Per-request drafter state (mutable; owned by the engine): KV of committed positions
+    plus the last position's outputs, which propose the root's children."""
+
+    keys: torch.Tensor | None = None  # [1, KVH, S, D]
+    values: torch.Tensor | None = None  # [1, KVH, S, D]
+    last_logits: torch.Tensor | None = None  # [1, V_draft] float32 at position S-1
+    last_hidden: torch.Tensor | None = None  # [1, H] pre-norm output at position S-1
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.act_fn = ACT2FN[c.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+
+
+def _rotary(c: Eagle3Config) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    lc = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                     max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+                     rope_scaling=c.rope_scaling)
+    return LlamaRotaryEmbedding(lc)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Eagle3Drafter(nn.Module):
+    """The EAGLE-3 head. Parameter names match the checkpoint's tensor names."""
+
+    def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = _MidLayer(config)
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.rotary_emb = _rotary(config)
+
+    # ------------------------------------------------------------------ network
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Eagle3Output:
+        """One pass of the head over T positions (training or inference).
+
+        hidden_states: [B, T, 3*H_target] target features (projected by fc) or [B, T, H] the
+        drafter's own pre-norm outputs. input_ids [B, T] or inputs_embeds [B, T, H]: the tokens
+        paired with them. position_ids [B, T] (default: S..S+T-1 after the S past positions).
+        attention_mask: additive float [B, 1, T, S+T] (default: causal). past_kv: keys/values
+        [B, KVH, S, D] to attend to before this forward's own positions (not modified).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = embeds.to(self.fc.weight.dtype)
+        h = hidden_states.to(self.fc.weight.dtype)
+        if h.shape[-1] == self.fc.in_features:
+            h = self.fc(h)
+        elif h.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states width {h.shape[-1]} is neither 3*target_hidden_size "
+                             f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
+        B, T, _ = h.shape
+        S = 0 if past_kv is None else past_kv[0].shape[2]
+        if position_ids is None:
+            position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
+        if attention_mask is None:
+            attention_mask = causal_mask(S, T, h.dtype, h.device)
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], dim=-1)
+        attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv)
+        h = h + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.norm(h)).float()
+        return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
+
+    def _attention(self, x, position_ids, attention_mask, past_kv):
+        a = self.midlayer.self_attn
+        B, T, _ = x.shape
+        q = a.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = self.rotary_emb(x, position_ids)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        all_k = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)
+        all_v = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)
+        rep = a.num_heads // a.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            q, all_k.repeat_interleave(rep, dim=1), all_v.repeat_interleave(rep, dim=1),
+            attn_mask=attention_mask.to(q.dtype),
+        )
+        out = a.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        return out, k, v
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids: d + d2t[d]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # -------------------------------------------------------- per-request cache
+    def new_cache(self) -> Eagle3Cache:
+        return Eagle3Cache()
+
+    @torch.inference_mode()
+    def extend(self, cache: Eagle3Cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
+        """Append n drafter positions: token_ids [1, n] paired with target_hidden [1, n, 3*H_target]
+        (hidden of the target position *before* each token). Updates the last-position outputs."""
+        if token_ids.dim() != 2 or token_ids.shape[0] != 1 or target_hidden.shape[:2] != token_ids.shape:
+            raise ValueError(f"extend expects token_ids [1, n] and target_hidden [1, n, 3H], got "
+                             f"{tuple(token_ids.shape)} and {tuple(target_hidden.shape)}")
+        if token_ids.shape[1] == 0:
+            return
+        past = None if cache.keys is None else (cache.keys, cache.values)
+        out = self(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), past_kv=past)
+        cache.keys = out.keys if past is None else torch.cat([cache.keys, out.keys], dim=2)
+        cache.values = out.values if past is None else torch.cat([cache.values, out.values], dim=2)
+        cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
+
+    def prefill(self, cache: Eagle3Cache, input_ids: torch.Tensor, target_hidden: torch.Tensor, next_token: int) -> None:
+        """After the target prefilled input_ids [1, T] (hidden [1, T, 3H]) and `next_token` (the
+        root) was chosen: drafter positions 0..T-1 get tokens x_1..x_{T-1}, next_token."""
+        shifted = torch.cat([input_ids[:, 1:], input_ids.new_tensor([[int(next_token)]])], dim=1)
+        self.extend(cache, shifted, target_hidden)
+
+    def commit(self, cache: Eagle3Cache, accepted_pos: torch.Tensor, emitted_ids: torch.Tensor,
+               target_hidden: torch.Tensor) -> None:
+        """After a verify step: accepted layout positions accepted_pos [D] (-1 pad), the emitted
+        tokens emitted_ids [D+1] (accepted tokens then the bonus, -1 pad) and the verify forward's
+        capture hidden [1, 1+K, 3H]. Appends (emitted token i, hidden at root/accepted node i)."""
+        accepted = accepted_pos.reshape(-1)
+        accepted = accepted[accepted >= 0].to(target_hidden.device)
+        emitted = emitted_ids.reshape(-1)
+        emitted = emitted[emitted >= 0]
+        if emitted.numel() != accepted.numel() + 1:
+            raise ValueError(f"{emitted.numel()} emitted tokens for {accepted.numel()} accepted nodes; "
+                             "expected accepted + 1 (the bonus token)")
+        pos = torch.cat([accepted.new_zeros(1), accepted])
+        self.extend(cache, emitted[None].to(self.lm_head.weight.device), target_hidden[:, pos])
+
+
+    def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None):
+        """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft."""
+        from .eagle3_draft import draft_eagle3_tree
+
+        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold)
+
+
+def causal_mask(past_len: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, T, S+T] additive causal mask for T new positions after S past ones."""
+    q = torch.arange(past_len, past_len + num_new, device=device)[:, None]
+    k = torch.arange(past_len + num_new, device=device)[None, :]
+    mask = torch.zeros(num_new, past_len + num_new, dtype=dtype, device=device)
+    mask.masked_fill_(k > q, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+# ---------------------------------------------------------------------- checkpoint I/O
+def load_eagle3(path: str | Path, target=None, device: str | torch.device | None = None,
+                dtype: str | torch.dtype | None = None) -> Eagle3Drafter:
+    """Load a SpecForge/SGLang EAGLE-3 checkpoint directory; `target` (a TargetModel) is
+    checked for matching sizes and lends its embedding when the checkpoint has none.
+    device/dtype default to the target's (else cpu / float32)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    device = device if device is not None else (target.device if target is not None else "cpu")
+    dtype = parse_dtype(dtype if dtype is not None else (target.dtype if target is not None else "float32"))
+    config = Eagle3Config.from_dict(check_safetensors_dir(path, what="EAGLE-3 drafter"))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in safetensors_files(path, "EAGLE-3 drafter"):
+        weights.update({k.removeprefix("model."): v for k, v in load_file(str(shard)).items()})
+    if target is not None:
+        _check_matches_target(config, target, has_embeddings="embed_tokens.weight" in weights)
+    embed = None
+    if "embed_tokens.weight" not in weights:
+        if target is None:
+            raise ValueError(f"EAGLE-3 drafter at {path} has no embed_tokens.weight; pass the target to share its embedding")
+        embed = target.input_embeddings()
+        if embed.weight.dtype != dtype or not _same_device(embed.weight.device, torch.device(device)):
+            raise ValueError(f"a drafter sharing the target embedding must use the target's device/dtype "
+                             f"({embed.weight.device}, {embed.weight.dtype}), got ({device}, {dtype})")
+    drafter = Eagle3Drafter(config, embed_tokens=embed)
+    _load_weights(drafter, weights, path, shared_embedding=embed is not None)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
+
+
+def _check_matches_target(c: Eagle3Config, target, has_embeddings: bool) -> None:
+    if c.target_hidden_size != target.hidden_size:
+        raise ValueError(f"drafter target_hidden_size {c.target_hidden_size} != target hidden size {target.hidden_size}")
+    if c.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocab_size {c.vocab_size} != target vocab_size {target.vocab_size}")
+    if not has_embeddings and c.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter without embeddings has hidden_size {c.hidden_size}, which must equal the target "
+                         f"hidden size {target.hidden_size} to share its embedding")
+
+
+def _load_weights(drafter: Eagle3Drafter, weights: dict, path: Path, shared_embedding: bool) -> None:
+    expected = {k: v for k, v in drafter.state_dict().items() if not (shared_embedding and k.startswith("embed_tokens."))}
+    missing = sorted(set(expected) - set(weights) - {"t2d", "d2t"})
+    if missing:
+        raise ValueError(f"EAGLE-3 drafter at {path} is missing tensors {missing}")
+    for name, ref in expected.items():
+        if name in weights and tuple(weights[name].shape) != tuple(ref.shape):
+            raise ValueError(f"EAGLE-3 tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(ref.shape)}")
+    d2t = weights.get("d2t", torch.zeros(drafter.config.draft_vocab_size, dtype=torch.int64)).long()
+    target_ids = torch.arange(d2t.numel()) + d2t
+    if target_ids.numel() and (target_ids.min() < 0 or target_ids.max() >= drafter.config.vocab_size):
+        raise ValueError(f"EAGLE-3 d2t maps draft ids outside the target vocabulary [0, {drafter.config.vocab_size})")
+    weights = dict(weights, d2t=d2t, t2d=weights.get("t2d", drafter.t2d).bool())
+    drafter.load_state_dict({k: weights[k] for k in expected}, strict=False)
+
+
+def write_random_drafter(target_config, out_dir: str | Path, seed: int = 0, hidden_size: int | None = None,
+                         draft_vocab_size: int | None = None, with_embeddings: bool = True,
+                         init_std: float = 0.05) -> Path:
+    """Write a randomly initialised EAGLE-3 head for a target with `target_config` (a transformers
+    config) in the SpecForge/SGLang format: config.json + model.safetensors. For smoke tests."""
+    from safetensors.torch import save_file
+
+    tc = target_config
+    hidden = hidden_size or tc.hidden_size
+    heads = max(1, min(tc.num_attention_heads, hidden // 16))
+    vocab = tc.vocab_size
+    config = Eagle3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+        num_key_value_heads=heads, head_dim=hidden // heads, vocab_size=vocab,
+        draft_vocab_size=draft_vocab_size or vocab, target_hidden_size=tc.hidden_size,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    drafter = Eagle3Drafter(config)
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        if name in ("d2t", "t2d") or (name.startswith("embed_tokens.") and not with_embeddings):
+            continue
+        is_norm = name.endswith("norm.weight")
+        tensors[name] = torch.ones_like(t) if is_norm else torch.randn(t.shape, generator=gen) * init_std
+    hot = torch.randperm(vocab, generator=gen)[: config.draft_vocab_size].sort().values
+    tensors["d2t"] = hot - torch.arange(config.draft_vocab_size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    tensors["t2d"] = t2d
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
