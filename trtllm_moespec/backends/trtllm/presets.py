@@ -76,6 +76,13 @@ class ModelPreset:
         d["eagle3_capture_layers"] = list(self.eagle3_capture_layers)
         return d
 
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "ModelPreset":
+        """Inverse of to_json (derived keys are ignored)."""
+        fields = {k: v for k, v in d.items() if k in ModelPreset.__dataclass_fields__ and k != "tree"}
+        tree = TreeDefaults(**d["tree"]) if "tree" in d else TreeDefaults()
+        return ModelPreset(**fields, tree=tree)
+
 
 PRESETS: dict[str, ModelPreset] = {
     "qwen3-30b-a3b": ModelPreset(

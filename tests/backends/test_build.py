@@ -1,0 +1,171 @@
+"""Engine-directory builds (dry run) for the four presets, schema validation, bad inputs."""
+
+import json
+
+import pytest
+import yaml
+
+from trtllm_moespec.backends.trtllm import build
+from trtllm_moespec.backends.trtllm.config import load_engine_spec
+from trtllm_moespec.backends.trtllm.presets import PRESETS, resolve_model
+from trtllm_moespec.backends.trtllm.profile import interpolate_costs
+from trtllm_moespec.backends.trtllm.schema import validate_llm_api_options
+from trtllm_moespec.backends.trtllm.version import trtllm_available
+from trtllm_moespec.core.presets import ARCHITECTURES
+
+
+def hf_config(preset):
+    """config.json as the Hub checkpoint names its fields."""
+    common = {
+        "architectures": [preset.architecture],
+        "num_hidden_layers": preset.num_layers,
+        "hidden_size": preset.hidden_size,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_kv_heads,
+        "head_dim": preset.head_dim,
+        "vocab_size": preset.vocab_size,
+        "num_experts_per_tok": preset.experts_per_token,
+    }
+    if preset.architecture == "GptOssForCausalLM":
+        return {**common, "num_local_experts": preset.num_experts, "intermediate_size": preset.moe_intermediate_size,
+                "sliding_window": preset.sliding_window}
+    return {**common, "num_experts": preset.num_experts, "moe_intermediate_size": preset.moe_intermediate_size,
+            "use_sliding_window": False, "sliding_window": None}
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    def make(name, cfg):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    draft = make("draft", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000})
+    ckpts = {name: make(f"ckpt-{name}", hf_config(p)) for name, p in PRESETS.items()}
+    return tmp_path, draft, ckpts
+
+
+def run(argv, capsys):
+    rc = build.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
+    tmp, draft, ckpts = dirs
+    out = tmp / f"engine-{name}"
+    rc, stdout, err = run(["--model", name, "--checkpoint", ckpts[name], "--draft-model", draft, "--policy", "evict",
+                           "--verify-lengths", "32,4,8,16", "--max-batch-size", "6", "--out", out, "--dry-run"], capsys)
+    assert rc == 0, err
+    assert "dry run" in stdout and "cost_profile.json" in stdout
+    spec = load_engine_spec(out)
+    assert [p["verify_length"] for p in spec.profiles] == [4, 8, 16, 32]
+    assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
+    assert spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
+    preset = PRESETS[name]
+    for p in spec.profiles:
+        options = yaml.safe_load((out / p["llm_api_options"]).read_text())
+        validate_llm_api_options(options)
+        sc = options["speculative_config"]
+        assert sc["decoding_type"] == "Eagle3" and sc["max_total_draft_tokens"] == p["verify_length"]
+        assert sc["speculative_model_dir"] == str(draft.resolve())
+        assert sc["eagle3_layers_to_capture"] == [1, preset.num_layers // 2 - 1, preset.num_layers - 4]
+        assert options["cuda_graph_config"]["batch_sizes"] == [1, 2, 4, 6]
+        assert options["tensor_parallel_size"] == preset.recommended_tp
+        if preset.has_sliding_window:  # GPT-OSS: chain mode
+            assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == p["verify_length"]
+        else:
+            assert sc["use_dynamic_tree"] is True and sc["dynamic_tree_max_topK"] == 8
+            assert sc["max_draft_len"] == min(4, p["verify_length"])
+    main = yaml.safe_load((out / "llm_api_options.yaml").read_text())
+    assert main["speculative_config"]["max_total_draft_tokens"] == 32
+    readme = (out / "README.md").read_text()
+    assert ("sliding-window" in readme) == preset.has_sliding_window and "DRY RUN" in readme
+    assert spec.mode == ("chain" if preset.has_sliding_window else "tree")
+
+
+def test_local_hf_directory_as_model(dirs, capsys):
+    tmp, draft, ckpts = dirs
+    rc, _, err = run(["--model", ckpts["qwen3-30b-a3b"], "--draft-model", draft, "--out", tmp / "e", "--dry-run"], capsys)
+    assert rc == 0, err
+    spec = load_engine_spec(tmp / "e")
+    assert spec.checkpoint == str(ckpts["qwen3-30b-a3b"].resolve()) and spec.model["num_experts"] == 128
+    assert [p["verify_length"] for p in spec.profiles] == [32]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--model", "llama-70b"], "unknown model preset"),
+        (["--checkpoint", "{tmp}/nope"], "does not exist"),
+        (["--draft-model", "{tmp}/nope"], "draft model"),
+        (["--verify-lengths", "0,8"], "must be positive"),
+        (["--verify-lengths", "-4"], "must be positive"),
+        (["--verify-lengths", "8,33"], "exceeds the tree's max_draft_tokens=32"),
+        (["--verify-lengths", "eight"], "not an integer"),
+        (["--tp", "8", "--ep", "3"], "must divide --tp 8"),
+        (["--tp", "256", "--ep", "256"], "must divide the model's 128 experts"),
+        (["--checkpoint", "{gptoss}"], "does not match preset"),
+        (["--max-draft-tokens", "64"], "exceeds steps*topk=32"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(extra, message, dirs, capsys):
+    tmp, draft, ckpts = dirs
+    argv = {"--model": "qwen3-30b-a3b", "--checkpoint": str(ckpts["qwen3-30b-a3b"]), "--draft-model": str(draft),
+            "--out": str(tmp / "bad")}
+    for key, value in zip(extra[::2], extra[1::2]):
+        argv[key] = value.format(tmp=tmp, gptoss=ckpts["gpt-oss-20b"])
+    rc, _, err = run([x for kv in argv.items() for x in kv] + ["--dry-run"], capsys)
+    assert rc == 2
+    assert message in err and err.strip().count("\n") == 0
+    assert not (tmp / "bad" / "moespec.json").exists()
+
+
+@pytest.mark.skipif(trtllm_available(), reason="tensorrt_llm is installed: the real build path would run")
+def test_real_build_without_tensorrt_llm_exits_nonzero(dirs, capsys):
+    tmp, draft, ckpts = dirs
+    rc, _, err = run(["--model", "gpt-oss-20b", "--checkpoint", ckpts["gpt-oss-20b"], "--draft-model", draft,
+                      "--out", tmp / "real"], capsys)
+    assert rc == 1 and "tensorrt_llm is not importable" in err and err.strip().count("\n") == 0
+    assert not (tmp / "real").exists()
+
+
+def test_real_build_needs_a_checkpoint(dirs, capsys):
+    tmp, draft, _ = dirs
+    rc, _, err = run(["--model", "gpt-oss-120b", "--draft-model", draft, "--out", tmp / "x"], capsys)
+    assert rc == 2 and "--checkpoint" in err
+
+
+def test_presets_agree_with_core_architectures_and_capture_layers():
+    for name, preset in PRESETS.items():
+        arch = ARCHITECTURES[name]
+        assert (preset.num_layers, preset.hidden_size, preset.num_experts, preset.experts_per_token,
+                preset.moe_intermediate_size, preset.vocab_size, preset.sliding_window) == (
+            arch.num_layers, arch.hidden_size, arch.num_experts, arch.top_k, arch.moe_intermediate_size,
+            arch.vocab_size, arch.sliding_window)
+    assert PRESETS["qwen3-30b-a3b"].eagle3_capture_layers == (2, 24, 45)
+    assert PRESETS["qwen3-235b-a22b"].trtllm_layers_to_capture == [1, 46, 90]
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(".")
+
+
+def test_schema_rejects_unknown_and_inconsistent_fields():
+    good = {"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "/d", "max_draft_len": 4,
+                                   "max_total_draft_tokens": 32, "use_dynamic_tree": True, "dynamic_tree_max_topK": 8}}
+    validate_llm_api_options(good)
+    with pytest.raises(ValueError, match="unknown TensorRT-LLM field"):
+        validate_llm_api_options({**good, "tensor_paralel_size": 2})
+    with pytest.raises(ValueError, match="must lie in"):
+        validate_llm_api_options({"speculative_config": {**good["speculative_config"], "max_total_draft_tokens": 33}})
+    with pytest.raises(ValueError, match="linear"):
+        validate_llm_api_options({"speculative_config": {**good["speculative_config"], "use_dynamic_tree": False}})
+    with pytest.raises(ValueError, match="max_batch_size must equal"):
+        validate_llm_api_options({"cuda_graph_config": {"batch_sizes": [1, 2], "max_batch_size": 4}})
+
+
+def test_interpolate_costs():
+    assert interpolate_costs({0: 1.0, 4: 2.0, 8: 4.0}, 8) == (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
+    with pytest.raises(ValueError, match="k=0"):
+        interpolate_costs({4: 1.0}, 4)

@@ -1,0 +1,238 @@
+"""`moespec build`: write an engine directory for TensorRT-LLM's PyTorch backend.
+
+    moespec build --model gpt-oss-120b --draft-model DIR --checkpoint DIR --policy joint \\
+        --tp 8 --ep 8 --max-batch-size 8 --verify-lengths 4,8,16,32 --out engines/gpt-oss-120b
+
+Writes profiles/verify_<v>.yaml (one extra_llm_api_options per verify length),
+llm_api_options.yaml (the largest profile), moespec.json and README.md. With
+tensorrt_llm importable on a GPU it then profiles C(k) per profile (forced
+acceptance) into cost_profile.json; --dry-run stops before that. Bad input exits
+with code 2 and one line on stderr; a missing tensorrt_llm (without --dry-run)
+exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from ... import __version__ as MOESPEC_VERSION
+from .config import (
+    COST_PROFILE_JSON,
+    MAIN_OPTIONS_YAML,
+    MOESPEC_JSON,
+    POLICIES,
+    EngineSpec,
+    ParallelConfig,
+    VerifyProfile,
+    check_parallel,
+    check_tree,
+    draft_mode,
+    llm_api_options,
+    make_profiles,
+    parse_verify_lengths,
+)
+from .presets import PRESETS, ModelPreset, TreeDefaults, check_checkpoint_matches, load_hf_config, resolve_model
+from .schema import SUPPORTED_TRTLLM_RANGE
+from .version import trtllm_available
+
+EXIT_BAD_INPUT = 2
+EXIT_NO_TRTLLM = 1
+
+
+class BuildError(ValueError):
+    """Bad build input; the message is the one line the user sees."""
+
+
+def add_build_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, help=f"preset ({', '.join(sorted(PRESETS))}) or a local HF directory")
+    parser.add_argument("--checkpoint", help="local target checkpoint directory (default: --model when it is a directory)")
+    parser.add_argument("--draft-model", required=True, help="local EAGLE-3 drafter directory")
+    parser.add_argument("--policy", default="joint", choices=POLICIES, help="node selection policy")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: preset's recommendation)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=None, help="MoE expert-parallel size (default: preset's recommendation)")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--verify-lengths", default=None, help="comma list of verified draft-node counts, e.g. 4,8,16,32")
+    parser.add_argument("--steps", type=int, default=None, help="drafting steps (default 4)")
+    parser.add_argument("--topk", type=int, default=None, help="children kept per step (default 8)")
+    parser.add_argument("--max-draft-tokens", type=int, default=None, help="largest verified node count (default 32)")
+    parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument("--predictor", default=None, help="expert predictor checkpoint (for ecospec/joint)")
+    parser.add_argument("--out", required=True, help="engine directory to write")
+    parser.add_argument("--dry-run", action="store_true", help="write the configuration only; no TensorRT-LLM, no profiling")
+    return parser
+
+
+def _existing_dir(path: str | None, what: str) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_dir():
+        raise BuildError(f"{what} {path} does not exist or is not a directory (nothing is downloaded)")
+    if not (p / "config.json").is_file():
+        raise BuildError(f"{what} {path} has no config.json")
+    return str(p.resolve())
+
+
+def _resolve_inputs(args: argparse.Namespace) -> tuple[ModelPreset, str | None, str, TreeDefaults]:
+    try:
+        preset = resolve_model(args.model)
+    except FileNotFoundError as e:
+        raise BuildError(str(e)) from None
+    checkpoint = args.checkpoint or (args.model if args.model not in PRESETS else None)
+    checkpoint = _existing_dir(checkpoint, "checkpoint")
+    if checkpoint is not None and args.model in PRESETS:
+        check_checkpoint_matches(preset, checkpoint)
+    draft = _existing_dir(args.draft_model, "draft model")
+    load_hf_config(draft)
+    tree = TreeDefaults(
+        steps=args.steps or preset.tree.steps,
+        topk=args.topk or preset.tree.topk,
+        max_draft_tokens=args.max_draft_tokens or preset.tree.max_draft_tokens,
+    )
+    return preset, checkpoint, draft, check_tree(tree)
+
+
+def plan_engine(args: argparse.Namespace) -> EngineSpec:
+    """Validate the arguments and compute everything the engine directory records."""
+    preset, checkpoint, draft, tree = _resolve_inputs(args)
+    parallel = check_parallel(args.tp or preset.recommended_tp, args.pp, args.ep or preset.recommended_ep, preset.num_experts)
+    lengths = parse_verify_lengths(args.verify_lengths, tree.max_draft_tokens)
+    mode = draft_mode(preset)
+    if args.predictor is not None and not Path(args.predictor).exists():
+        raise BuildError(f"predictor {args.predictor} does not exist")
+    if args.max_batch_size < 1:
+        raise BuildError(f"--max-batch-size must be positive, got {args.max_batch_size}")
+    profiles = make_profiles(lengths, tree, mode)
+    return EngineSpec(
+        model=preset.to_json(),
+        checkpoint=checkpoint,
+        draft_model=draft,
+        policy=args.policy,
+        mode=mode,
+        tree={"steps": tree.steps, "topk": tree.topk, "max_draft_tokens": tree.max_draft_tokens},
+        parallel={"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "moe_tp": parallel.moe_tp},
+        max_batch_size=args.max_batch_size,
+        profiles=[{"verify_length": p.verify_length, "max_draft_len": p.max_draft_len, "llm_api_options": p.options_yaml} for p in profiles],
+        llm_api_options=MAIN_OPTIONS_YAML,
+        cost_profile=None,
+        predictor=str(Path(args.predictor).resolve()) if args.predictor else None,
+        dtype=preset.dtype,
+        versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": SUPPORTED_TRTLLM_RANGE, "tensorrt_llm": None},
+        dry_run=bool(args.dry_run),
+        policy_options={"max_seq_len": args.max_seq_len} if args.max_seq_len else {},
+    )
+
+
+def profile_options(spec: EngineSpec, index: int) -> dict:
+    """The extra_llm_api_options mapping of profile `index` (validated)."""
+    p = spec.profiles[index]
+    return llm_api_options(
+        ModelPreset.from_json(spec.model),
+        TreeDefaults(**spec.tree),
+        ParallelConfig(**spec.parallel),
+        VerifyProfile(p["verify_length"], p["max_draft_len"], p["llm_api_options"]),
+        draft_dir=spec.draft_model,
+        mode=spec.mode,
+        max_batch_size=spec.max_batch_size,
+        max_seq_len=spec.policy_options.get("max_seq_len"),
+    )
+
+
+def engine_readme(spec: EngineSpec, command: str) -> str:
+    lengths = ", ".join(str(p["verify_length"]) for p in spec.profiles)
+    lines = [
+        f"# MoESpec engine: {spec.model['name']}",
+        "",
+        f"Built by trtllm_moespec {spec.versions['trtllm_moespec']} for tensorrt_llm {spec.versions['tensorrt_llm_range']}"
+        f" (tensorrt_llm used: {spec.versions['tensorrt_llm'] or 'none'}).",
+        "",
+        "Command:",
+        "",
+        f"    {command}",
+        "",
+        f"- target checkpoint: {spec.checkpoint or '(not given; required to run)'}",
+        f"- EAGLE-3 drafter: {spec.draft_model}",
+        f"- policy: {spec.policy}; tree: steps={spec.tree['steps']}, topk={spec.tree['topk']}, "
+        f"max_draft_tokens={spec.tree['max_draft_tokens']}; verify-length profiles: {lengths}",
+        f"- parallel: tp={spec.parallel['tp']} pp={spec.parallel['pp']} ep={spec.parallel['ep']} "
+        f"moe_tp={spec.parallel['moe_tp']}; max batch size {spec.max_batch_size}",
+        f"- `{MAIN_OPTIONS_YAML}`: TensorRT-LLM `extra_llm_api_options` of the largest profile; "
+        "`profiles/verify_<v>.yaml`: one per verify length (CUDA graphs are keyed by draft length).",
+    ]
+    if spec.dry_run:
+        lines.append(f"- DRY RUN: no `{COST_PROFILE_JSON}`; policies that need C(k) (evict, joint) fall back to the "
+                     "PyTorch engine's own estimate until `moespec build` runs without --dry-run on the GPUs.")
+    else:
+        lines.append(f"- `{COST_PROFILE_JSON}`: C(k) profiled with forced acceptance on this machine.")
+    if spec.mode == "chain":
+        lines += [
+            "",
+            "## Chain mode (sliding-window attention)",
+            "",
+            "TensorRT-LLM's EAGLE-3 dynamic tree does not support sliding-window attention, which this model uses. "
+            "This engine therefore drafts a linear EAGLE-3 chain (`use_dynamic_tree: false`, "
+            "`max_draft_len` = the profile's verify length) and our selection only chooses how long a prefix of "
+            "the chain to verify (EVICT on a chain); no tree branching is verified.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_engine_dir(spec: EngineSpec, out: Path, command: str) -> list[Path]:
+    """Write YAMLs, moespec.json and README.md; returns the written paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, p in enumerate(spec.profiles):
+        path = out / p["llm_api_options"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(profile_options(spec, i), sort_keys=False))
+        written.append(path)
+    main = out / MAIN_OPTIONS_YAML
+    main.write_text(yaml.safe_dump(profile_options(spec, len(spec.profiles) - 1), sort_keys=False))
+    (out / MOESPEC_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+    (out / "README.md").write_text(engine_readme(spec, command))
+    return written + [main, out / MOESPEC_JSON, out / "README.md"]
+
+
+def build_engine(args: argparse.Namespace) -> int:
+    """Run a build from parsed arguments; returns the process exit code."""
+    command = "moespec build " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []) or [])
+    try:
+        spec = plan_engine(args)
+        if not args.dry_run and spec.checkpoint is None:
+            raise BuildError("a real build needs --checkpoint (a local target checkpoint directory)")
+    except (BuildError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out = Path(args.out)
+    if args.dry_run:
+        write_engine_dir(spec, out, command)
+        print(f"dry run: wrote {out} (llm_api_options, {len(spec.profiles)} profiles, {MOESPEC_JSON}, README.md); "
+              f"no {COST_PROFILE_JSON}: profiling needs TensorRT-LLM on the GPUs")
+        return 0
+    if not trtllm_available():
+        print("error: tensorrt_llm is not importable here (it needs a CUDA GPU machine); "
+              "rerun with --dry-run to write the configuration only", file=sys.stderr)
+        return EXIT_NO_TRTLLM
+    from .profile import profile_engine  # GPU path; imports tensorrt_llm
+
+    write_engine_dir(spec, out, command)
+    spec = profile_engine(spec, out)
+    write_engine_dir(spec, out, command)
+    print(f"wrote {out} with {COST_PROFILE_JSON}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = add_build_arguments(argparse.ArgumentParser(prog="moespec build", description=__doc__.split("\n")[0]))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args._argv = argv
+    return build_engine(args)
