@@ -63,7 +63,7 @@ class NgramDrafter:
         return DraftTree.from_parents(
             torch.tensor([tokens], dtype=torch.int64, device=device),
             torch.tensor([parents], dtype=torch.int64, device=device),
-            torch.tensor([q], dtype=torch.float32, device=device),
+            torch.from_numpy(q[None].astype(np.float32)).to(device),
         )
 
     def _matches(self, ctx: np.ndarray) -> list[tuple[int, int]]:
