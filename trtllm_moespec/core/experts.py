@@ -52,7 +52,7 @@ def pack_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     bit = flat + torch.arange(L, device=flat.device)[None, :, None] * num_experts  # [M, L, topk]
     valid = flat >= 0
     # Invalid ids go to a spare column past the last word, dropped afterwards.
-    cols = torch.where(valid, bit, W * WORD_BITS).reshape(flat.shape[0], -1)
+    cols = torch.where(valid, bit, W * WORD_BITS).reshape(flat.shape[0], L * topk)
     bits = torch.zeros(flat.shape[0], W * WORD_BITS + 1, dtype=torch.bool, device=flat.device)
     bits.scatter_(1, cols, True)
     bits = bits[:, : W * WORD_BITS]

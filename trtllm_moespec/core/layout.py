@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree
+from .tree import DraftTree, gather_nodes
 
 
 @dataclass(frozen=True)
@@ -93,26 +93,26 @@ def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor
     """
     B, K = node_idx.shape
     device = tree.token_ids.device
+    if tree.num_nodes == 0 and bool((node_idx >= 0).any()):
+        raise ValueError("selection names nodes but the tree is empty")
     sel_valid = node_idx >= 0
-    n_safe = node_idx.clamp(min=0)
-    if K and (sel_valid & ~tree.valid.gather(1, n_safe)).any():
+    if bool((sel_valid & ~gather_nodes(tree.valid, node_idx, False)).any()):
         raise ValueError("selection contains a padded (invalid) tree node")
 
     # Inverse map: tree node -> layout position (0 = not selected).
     pos_of_node = torch.zeros(B, tree.num_nodes + 1, dtype=torch.int64, device=device)
     positions = torch.arange(1, K + 1, device=device).expand(B, K)
-    pos_of_node.scatter_(1, torch.where(sel_valid, n_safe, tree.num_nodes), positions)
-    pos_of_node = pos_of_node[:, : tree.num_nodes]
+    pos_of_node.scatter_(1, torch.where(sel_valid, node_idx, tree.num_nodes), positions)
 
-    tree_parent = tree.parents.gather(1, n_safe) if K else node_idx.clone()
-    parent_pos = torch.where(tree_parent >= 0, pos_of_node.gather(1, tree_parent.clamp(min=0)), 0) if K else node_idx.clone()
-    if K and (sel_valid & ((parent_pos >= positions) | ((tree_parent >= 0) & (parent_pos == 0)))).any():
+    tree_parent = gather_nodes(tree.parents, node_idx, -1)
+    parent_pos = torch.where(tree_parent >= 0, pos_of_node.gather(1, tree_parent.clamp(min=0)), 0)
+    if bool((sel_valid & ((parent_pos >= positions) | ((tree_parent >= 0) & (parent_pos == 0)))).any()):
         raise ValueError("selection is not parent-closed and ordered: a node comes before (or without) its parent")
     parent_pos = torch.where(sel_valid, parent_pos, -1)
 
-    root_ids = root_ids.reshape(B, 1).long()
-    node_tokens = torch.where(sel_valid, tree.token_ids.gather(1, n_safe), root_ids) if K else node_idx.clone()
-    depth = torch.where(sel_valid, tree.depth.gather(1, n_safe), 0) if K else node_idx.clone()
+    root_ids = root_ids.reshape(B, 1).long().to(device)
+    node_tokens = torch.where(sel_valid, gather_nodes(tree.token_ids, node_idx, 0), root_ids)
+    depth = gather_nodes(tree.depth, node_idx, 0)
     full_parent = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=device), parent_pos], 1)
     full_depth = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device), depth], 1)
     valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device), sel_valid], 1)

@@ -28,7 +28,7 @@ import torch
 from .cost import CostTable, ExpertCostModel
 from .experts import ExpertSets
 from .select import evict_select, greedy_expert_select, joint_prefix, path_bits
-from .tree import DraftTree, score_order, top_k_nodes
+from .tree import DraftTree, gather_nodes, score_order, top_k_nodes
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class SelectionPolicy(ABC):
         root_experts: torch.Tensor | None = None,
         target_scores: torch.Tensor | None = None,
     ) -> Selection:
-        """experts: per-node predicted sets; root_experts: [B, W]; target_scores: [B, N]."""
+        """experts: per-node predicted sets; root_experts: [B, W];
+        target_scores: [B, N] the target's local probability of each node (oracle only)."""
 
 
 def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cost: torch.Tensor | None) -> Selection:
@@ -63,7 +64,7 @@ def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cos
     K = order.shape[1]
     keep = torch.arange(K, device=order.device)[None, :] < k[:, None]
     node_idx = torch.where(keep, order, -1)
-    picked = torch.where(keep, scores.double().gather(1, order.clamp(min=0)), 0.0)
+    picked = torch.where(keep, gather_nodes(scores.double(), order, 0.0), 0.0)
     expected = 1.0 + picked.sum(1)
     cost = cost if cost is not None else torch.full_like(expected, math.nan)
     return Selection(node_idx, keep.sum(1), expected, cost)
@@ -116,7 +117,7 @@ class EvictPolicy(SelectionPolicy):
 def _evict(tree: DraftTree, scores: torch.Tensor, table: CostTable, budget: int | None) -> Selection:
     cap = table.max_nodes if budget is None else min(budget, table.max_nodes)
     order = score_order(tree)[:, :cap]
-    sorted_scores = scores.gather(1, order)
+    sorted_scores = gather_nodes(scores, order, 0.0)
     num_valid = torch.clamp(tree.valid.sum(1), max=cap)
     k, _, cost = evict_select(sorted_scores, num_valid, table.as_tensor(tree.token_ids.device))
     return _from_prefix(order, k, scores, cost)
@@ -135,7 +136,7 @@ class CoveragePolicy(SelectionPolicy):
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
         order = top_k_nodes(tree, self.budget)
-        scores = torch.where(order >= 0, tree.scores.gather(1, order.clamp(min=0)), 0.0).double()
+        scores = gather_nodes(tree.scores.double(), order, 0.0)
         cu = scores.cumsum(1)
         total = cu[:, -1:] if cu.shape[1] else torch.zeros(tree.batch_size, 1, dtype=torch.float64)
         # Smallest k with S_k >= rho * S_K (k = 0 when the tree is empty or all scores are 0).
@@ -195,6 +196,9 @@ class JointPolicy(SelectionPolicy):
 class OraclePolicy(SelectionPolicy):
     """Analysis-only upper bound: the true acceptance probability of each path as its score.
 
+    target_scores [B, N] are the target's local probabilities p(token_v | path to v's parent)
+    (under the verifier's temperature / top-k / top-p; one-hot at temperature 0).
+
     With a cost table it maximises (1 + S_k) / C(k) over those scores; without one it
     verifies every node the target could accept (at T=0: exactly the accepted chain).
     """
@@ -205,9 +209,9 @@ class OraclePolicy(SelectionPolicy):
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
         if target_scores is None or target_scores.shape != tree.token_ids.shape:
-            raise ValueError("oracle needs target_scores [B, N]: the target's acceptance probability of each path")
-        oracle_tree = DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs,
-                                torch.where(tree.valid, target_scores.float().clamp(min=0).log(), float("-inf")), tree.valid)
+            raise ValueError("oracle needs target_scores [B, N]: the target's probability of each node's token given its path")
+        # Path products of the target's local probabilities: the true acceptance probability.
+        oracle_tree = DraftTree.from_parents(tree.token_ids, tree.parents, target_scores.clamp(0.0, 1.0), tree.valid)
         scores = oracle_tree.scores
         if self.cost_table is not None:
             return _evict(oracle_tree, scores, self.cost_table, None)

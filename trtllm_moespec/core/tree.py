@@ -129,6 +129,13 @@ def _check_probs(draft_probs: torch.Tensor, valid: torch.Tensor) -> None:
         raise ValueError("draft probabilities must lie in [0, 1]")
 
 
+def gather_nodes(values: torch.Tensor, idx: torch.Tensor, fill) -> torch.Tensor:
+    """values [B, N] read at idx [B, K] where idx >= 0, else `fill` (also for trees with no nodes)."""
+    if values.shape[1] == 0:
+        return torch.full(idx.shape, fill, dtype=values.dtype, device=idx.device)
+    return torch.where(idx >= 0, values.gather(1, idx.clamp(min=0)), torch.tensor(fill, dtype=values.dtype))
+
+
 def draft_root(token_ids: torch.Tensor, probs: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
     """EAGLE step 1: the top-`topk` tokens at the root become depth-1 nodes.
 
@@ -175,7 +182,9 @@ def grow_tree(
         valid=torch.cat([tree.valid, child_valid.reshape(B, F * C)], 1),
     )
     k = min(topk, F * C)
-    top_log, top_pos = child_log.reshape(B, F * C).topk(k, dim=1, sorted=True)
+    flat_log = child_log.reshape(B, F * C)
+    top_pos = (-flat_log).argsort(dim=1, stable=True)[:, :k]  # stable: ties go to the earlier child
+    top_log = flat_log.gather(1, top_pos)
     new_frontier = torch.where(top_log > _NEG_INF, top_pos + N, -1)
     if k < topk:
         new_frontier = torch.cat([new_frontier, new_frontier.new_full((B, topk - k), -1)], 1)

@@ -1,0 +1,102 @@
+"""DraftTree construction, EAGLE growth bookkeeping, score order and bad input."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from trtllm_moespec.core import DraftTree, draft_root, grow_tree, score_order, top_k_nodes
+
+from .strategies import random_eagle_tree, random_tree, seeds
+
+
+@pytest.mark.parametrize("steps,topk", [(1, 1), (1, 4), (3, 2), (4, 8)])
+def test_eagle_tree_keeps_every_expanded_candidate(steps, topk):
+    tree = random_eagle_tree(np.random.default_rng(0), 2, steps, topk)
+    assert tree.num_nodes == topk + (steps - 1) * topk * topk
+    assert bool(tree.valid.all())
+    tree.validate()
+    assert int(tree.depth.max()) == steps
+
+
+def test_grow_tree_frontier_is_top_topk_children_by_score():
+    tree, frontier = draft_root(torch.tensor([[10, 11]]), torch.tensor([[0.6, 0.4]]))
+    child_ids = torch.tensor([[[1, 2], [3, 4]]])
+    child_probs = torch.tensor([[[0.5, 0.5], [0.9, 0.1]]])
+    tree, frontier = grow_tree(tree, frontier, child_ids, child_probs, topk=2)
+    # children scores: 0.3, 0.3, 0.36, 0.04 -> frontier = node of token 3 (0.36), then token 1 (0.3, first)
+    assert tree.token_ids[0, frontier[0]].tolist() == [3, 1]
+    torch.testing.assert_close(tree.scores[0, 2:], torch.tensor([0.3, 0.3, 0.36, 0.04]))
+    assert tree.parents[0].tolist() == [-1, -1, 0, 0, 1, 1]
+
+
+def test_grow_tree_with_padded_frontier_slots():
+    tree, frontier = draft_root(torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))
+    frontier = torch.tensor([[0, -1]])
+    tree, new_frontier = grow_tree(tree, frontier, torch.tensor([[[3, 4], [5, 6]]]), torch.full((1, 2, 2), 0.5), 2)
+    assert tree.valid[0].tolist() == [True, True, True, True, False, False]
+    assert set(tree.token_ids[0, new_frontier[0]].tolist()) == {3, 4}
+    tree.validate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_every_prefix_of_score_order_is_parent_closed(seed):
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, 3, int(rng.integers(0, 24)))
+    order = score_order(tree)
+    for b in range(tree.batch_size):
+        seen = set()
+        for idx in order[b].tolist():
+            if not tree.valid[b, idx]:
+                continue
+            p = int(tree.parents[b, idx])
+            assert p == -1 or p in seen, "a node came before its parent"
+            seen.add(idx)
+        s = tree.scores[b, order[b]]
+        assert bool((s[:-1] >= s[1:]).all()) if len(s) > 1 else True
+
+
+def test_ties_keep_parent_before_child():
+    # q = 1 gives the child exactly its parent's score: depth must break the tie.
+    tree = DraftTree.from_parents(torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0.5, 1.0, 1.0]]))
+    assert score_order(tree)[0].tolist() == [0, 1, 2]
+    assert top_k_nodes(tree, 5)[0].tolist() == [0, 1, 2, -1, -1]
+
+
+@pytest.mark.parametrize(
+    "parents,probs,match",
+    [
+        ([[-1, 1]], [[0.5, 0.5]], "invalid parent"),  # self-parent
+        ([[-1, 2, 0]], [[0.5, 0.5, 0.5]], "invalid parent"),  # forward pointer (cycle possible)
+        ([[-1, -2]], [[0.5, 0.5]], "invalid parent"),
+        ([[-1, 0]], [[0.5, float("nan")]], "finite"),
+        ([[-1, 0]], [[0.5, 1.5]], r"\[0, 1\]"),
+    ],
+)
+def test_bad_trees_raise_value_error(parents, probs, match):
+    with pytest.raises(ValueError, match=match):
+        DraftTree.from_parents(torch.zeros(1, len(parents[0]), dtype=torch.long), torch.tensor(parents), torch.tensor(probs))
+
+
+def test_validate_catches_inconsistent_fields():
+    tree = DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]]), torch.tensor([[0.5, 0.5]]))
+    bad = DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs,
+                    torch.tensor([[-1.0, 0.0]]), tree.valid)  # child above parent
+    with pytest.raises(ValueError, match="monotone"):
+        bad.validate()
+    bad = DraftTree(tree.token_ids, tree.parents, torch.tensor([[1, 3]]), tree.draft_probs, tree.log_scores, tree.valid)
+    with pytest.raises(ValueError, match="depth"):
+        bad.validate()
+    invalid_parent = DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, -1]]), torch.tensor([[0.5, 0.5]]),
+                                            torch.tensor([[False, True]]))
+    object.__setattr__(invalid_parent, "parents", torch.tensor([[-1, 0]]))
+    with pytest.raises(ValueError, match="padded"):
+        invalid_parent.validate()
+
+
+def test_empty_tree_and_top_k_errors():
+    tree = DraftTree.empty(2)
+    assert tree.num_nodes == 0 and score_order(tree).shape == (2, 0)
+    with pytest.raises(ValueError):
+        top_k_nodes(tree, -1)
