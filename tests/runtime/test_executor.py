@@ -1,0 +1,86 @@
+"""Executor backend choice, fallback arguments and TensorRT-LLM statistics (CPU)."""
+
+import importlib.util
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from trtllm_moespec.backends.trtllm.config import load_engine_spec
+from trtllm_moespec.backends.trtllm.version import trtllm_available
+from trtllm_moespec.runtime import Executor
+from trtllm_moespec.runtime.executor import acceptance_stats, choose_backend, pytorch_llm_kwargs, trtllm_worker_policy
+
+TINY = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"
+
+
+def test_choose_backend():
+    assert choose_backend("auto", True) == "tensorrt_llm"
+    assert choose_backend("auto", False) == "pytorch"
+    assert choose_backend("pytorch", True) == "pytorch"
+    with pytest.raises(RuntimeError, match="not importable"):
+        choose_backend("tensorrt_llm", False)
+    with pytest.raises(ValueError, match="unknown backend"):
+        choose_backend("vllm", False)
+
+
+def test_pytorch_fallback_arguments_mirror_the_engine_dir(engine_dir):
+    spec = load_engine_spec(engine_dir)
+    kwargs = pytorch_llm_kwargs(spec, engine_dir, None, None)
+    assert kwargs["model"] == spec.checkpoint and kwargs["draft_model"] == spec.draft_model
+    assert kwargs["policy"] == "eagle3" and kwargs["tree"] == {"steps": 4, "topk": 8, "max_draft_tokens": 32}
+    assert kwargs["cost_profile"] is None and kwargs["device"] == "cpu" and kwargs["dtype"] == "bfloat16"
+
+
+def test_worker_policy_degrades_expert_aware_policies(engine_dir, caplog):
+    spec = load_engine_spec(engine_dir)
+    assert trtllm_worker_policy(spec) == "eagle3"
+    joint = type(spec)(**{**spec.to_json(), "policy": "joint"})
+    with caplog.at_level(logging.WARNING):
+        assert trtllm_worker_policy(joint) == "eagle3"  # no cost profile in a dry run
+    assert "cannot run inside the TensorRT-LLM worker" in caplog.text
+    profiled = type(spec)(**{**spec.to_json(), "policy": "joint", "cost_profile": "cost_profile.json"})
+    assert trtllm_worker_policy(profiled) == "evict"
+
+
+def test_acceptance_stats_from_trtllm_counters():
+    s = acceptance_stats(num_tokens=30, accepted_draft_tokens=20, draft_tokens=80)  # 10 iterations
+    assert (s.num_steps, s.mean_accepted_tokens, s.verified_tokens) == (10, 3.0, 8.0)
+    assert math.isnan(acceptance_stats(0, 0, 0).mean_accepted_tokens)
+
+
+@pytest.mark.skipif(trtllm_available(), reason="tensorrt_llm installed: the executor would choose it")
+def test_executor_says_which_backend_runs(engine_dir, caplog, monkeypatch):
+    monkeypatch.setattr("trtllm_moespec.runtime.executor.pytorch_llm_kwargs",
+                        lambda *a: (_ for _ in ()).throw(ValueError("stop after the backend choice")))
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="stop after"):
+        Executor(engine_dir)
+    assert "tensorrt_llm is not available; running" in caplog.text and "PyTorch engine" in caplog.text
+
+
+def _engine_ready() -> str | None:
+    if importlib.util.find_spec("trtllm_moespec.api") is None:
+        return "trtllm_moespec.LLM (trtllm_moespec/api.py) does not exist yet"
+    if not (TINY / "target" / "config.json").is_file() or not (TINY / "draft" / "config.json").is_file():
+        return f"the moespec-tiny checkpoints are not in {TINY} yet"
+    return None
+
+
+@pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
+def test_executor_fallback_end_to_end_on_moespec_tiny(tmp_path):
+    from trtllm_moespec import LLM, SamplingParams, TreeConfig
+    from trtllm_moespec.backends.trtllm import build
+
+    out = tmp_path / "engine"
+    rc = build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "draft"), "--policy", "eagle3",
+                     "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(out), "--dry-run"])
+    assert rc == 0
+    executor = Executor(out, "pytorch", device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    got = executor.generate(["def add(a, b):"], params)[0]
+    ref = LLM(model=str(TINY / "target"), draft_model=str(TINY / "draft"), policy="ar",
+              tree=TreeConfig(steps=4, topk=8, max_draft_tokens=8), device="cpu", dtype="float32")
+    want = ref.generate(["def add(a, b):"], params)[0]
+    assert list(got.token_ids) == list(want.token_ids)  # greedy speculative == plain decoding
+    assert got.stats.mean_accepted_tokens >= 1.0

@@ -1,0 +1,139 @@
+"""Triton model repository: generated files, and request handling through a stand-in pb_utils."""
+
+import importlib.util
+import math
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.runtime import pb_utils_standin as pb
+from trtllm_moespec.backends.trtllm.schema import TRITON_CONFIG_FIELDS, TRITON_LLMAPI_INPUTS, TRITON_LLMAPI_OUTPUTS
+from trtllm_moespec.runtime.executor import ExecutorOutput, ExecutorStats
+from trtllm_moespec.runtime.triton_model import handle_request, parse_request, response_stats
+from trtllm_moespec.runtime.triton_repo import main as triton_repo_main
+
+
+def _request(**inputs):
+    defaults = {"text_input": np.array([b"def f(x):"], dtype=np.object_)}
+    return pb.InferenceRequest({**defaults, **inputs})
+
+
+def _output(text="    return x", n=12, mat=3.0, verified=8.0):
+    return ExecutorOutput(text, list(range(n)), ExecutorStats(mat, verified, int(n / mat)))
+
+
+def test_repository_files(engine_dir, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    assert triton_repo_main(["--engine-dir", str(engine_dir), "--out", str(repo), "--decoupled"]) == 0
+    assert "has not run" in capsys.readouterr().out
+    pbtxt = (repo / "moespec" / "config.pbtxt").read_text()
+    assert 'backend: "python"' in pbtxt
+    names = set(__import__("re").findall(r'name: "([a-z_]+)"', pbtxt)) - {"moespec"}
+    assert TRITON_LLMAPI_INPUTS <= names and TRITON_LLMAPI_OUTPUTS <= names
+    assert {"mean_accepted_tokens", "verified_tokens"} <= names
+    config = yaml.safe_load((repo / "moespec" / "1" / "model.yaml").read_text())
+    assert set(config["triton_config"]) == TRITON_CONFIG_FIELDS and config["triton_config"]["decoupled"] is True
+    assert config["engine_dir"] == str(engine_dir.resolve())
+    assert "has not run this repository here" in (repo / "README.md").read_text()
+
+    # The generated model.py loads and applies model.yaml's triton_config.
+    spec = importlib.util.spec_from_file_location("moespec_triton_model", repo / "moespec" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.TritonPythonModel.auto_complete_config(pb.AutoCompleteConfig())
+    assert cfg.policy == {"decoupled": True} and cfg.max_batch_size == 0
+
+
+def test_triton_repo_rejects_a_missing_engine(tmp_path, capsys):
+    assert triton_repo_main(["--engine-dir", str(tmp_path / "none"), "--out", str(tmp_path / "r")]) == 2
+    assert "moespec.json" in capsys.readouterr().err
+
+
+def test_parse_request_reads_llmapi_tensor_names():
+    req = _request(
+        sampling_param_max_tokens=np.array([5], dtype=np.int32),
+        sampling_param_temperature=np.array([0.7], dtype=np.float32),
+        sampling_param_top_p=np.array([0.9], dtype=np.float32),
+        sampling_param_seed=np.array([42], dtype=np.uint64),
+        sampling_param_stop=np.array([b"\n\n", b"END"], dtype=np.object_),
+        streaming=np.array([True]),
+    )
+    p = parse_request(pb, req)
+    assert (p.prompt, p.max_tokens, p.top_k, p.seed, p.stop, p.streaming) == ("def f(x):", 5, 0, 42, ["\n\n", "END"], True)
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    "inputs,message",
+    [
+        ({"text_input": None}, "no text_input"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "one prompt"),
+        ({"sampling_param_max_tokens": np.array([1, 2], dtype=np.int32)}, "one value"),
+        ({"sampling_param_max_tokens": np.array([0], dtype=np.int32)}, "bad sampling parameters"),
+        ({"sampling_param_top_p": np.array([0.0], dtype=np.float32)}, "bad sampling parameters"),
+    ],
+)
+def test_malformed_requests_become_error_responses(inputs, message):
+    req = _request(**inputs)
+    if inputs.get("text_input", 0) is None:
+        del req.inputs["text_input"]
+    response = handle_request(pb, req, lambda params: _output())
+    assert response.error is not None and message in response.error.message() and response.output_tensors == []
+
+
+def test_response_carries_text_and_acceptance_stats():
+    response = handle_request(pb, _request(), lambda params: _output(n=12, mat=3.0, verified=8.0))
+    assert response.error is None
+    assert response.tensor("text_output")[0] == b"    return x"
+    assert response.tensor("mean_accepted_tokens")[0] == pytest.approx(3.0)
+    assert response.tensor("verified_tokens")[0] == pytest.approx(8.0)
+    # 12 tokens at 3 per iteration = 4 iterations: 8 accepted draft tokens of 32 verified.
+    assert response.tensor("total_accepted_draft_tokens")[0] == 8 and response.tensor("total_draft_tokens")[0] == 32
+    assert response.tensor("acceptance_rate")[0] == pytest.approx(0.25)
+    assert math.isnan(response_stats(ExecutorOutput("", [], ExecutorStats(math.nan, math.nan, 0))).acceptance_rate)
+
+
+def test_execute_decoupled_sends_final_responses(engine_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    repo = tmp_path / "repo"
+    triton_repo_main(["--engine-dir", str(engine_dir), "--out", str(repo), "--decoupled"])
+    spec = importlib.util.spec_from_file_location("moespec_triton_model2", repo / "moespec" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.decoupled = True
+    model._generate = lambda params: _output(text=params.prompt.upper())
+    requests = [_request(), _request(text_input=np.array([b"abc"], dtype=np.object_))]
+    assert model.execute(requests) is None
+    (first, flags), = requests[0].sender.sent
+    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and first.tensor("text_output")[0] == b"DEF F(X):"
+    assert requests[1].sender.sent[0][0].tensor("text_output")[0] == b"ABC"
+
+
+def _engine_ready():
+    from tests.runtime.test_executor import _engine_ready as ready
+
+    return ready()
+
+
+@pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
+def test_triton_model_on_the_pytorch_engine(tmp_path, monkeypatch):
+    from tests.runtime.test_executor import TINY
+    from trtllm_moespec.backends.trtllm import build
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    engine = tmp_path / "engine"
+    assert build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "draft"), "--policy", "eagle3",
+                       "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(engine), "--dry-run"]) == 0
+    repo = tmp_path / "repo"
+    assert triton_repo_main(["--engine-dir", str(engine), "--out", str(repo), "--backend", "pytorch", "--dtype", "float32"]) == 0
+    spec = importlib.util.spec_from_file_location("moespec_triton_model3", repo / "moespec" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.initialize({"model_repository": str(repo / "moespec"), "model_version": "1"})
+    (response,) = model.execute([_request(sampling_param_max_tokens=np.array([8], dtype=np.int32))])
+    assert response.error is None, response.error and response.error.message()
+    assert len(response.tensor("text_output")[0]) > 0 and response.tensor("mean_accepted_tokens")[0] >= 1.0

@@ -1,0 +1,182 @@
+"""`Executor(engine_dir)`: run an engine directory on TensorRT-LLM or on our PyTorch engine.
+
+The executor reads `moespec.json` and picks a backend:
+- "tensorrt_llm" when tensorrt_llm is importable: installs the MoESpec worker into
+  TensorRT-LLM (tree mode) and builds `tensorrt_llm.LLM` from the engine's YAML;
+- "pytorch" otherwise: `trtllm_moespec.LLM` with the same checkpoints, policy,
+  tree, cost profile and predictor.
+It logs a warning naming the backend that runs. `generate` takes our
+`SamplingParams` and returns outputs with `.text`, `.token_ids`, `.stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..backends.trtllm.config import EngineSpec, load_engine_spec
+from ..backends.trtllm.version import trtllm_available
+from ..backends.trtllm.worker import TREE_ONLY_POLICIES
+
+log = logging.getLogger("trtllm_moespec.runtime")
+
+BACKENDS = ("auto", "tensorrt_llm", "pytorch")
+
+
+def choose_backend(requested: str, trtllm_ok: bool) -> str:
+    """'tensorrt_llm' or 'pytorch' for a request of 'auto' | 'tensorrt_llm' | 'pytorch'."""
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+    if requested == "tensorrt_llm" and not trtllm_ok:
+        raise RuntimeError("backend 'tensorrt_llm' requested but tensorrt_llm is not importable on this machine")
+    if requested == "auto":
+        return "tensorrt_llm" if trtllm_ok else "pytorch"
+    return requested
+
+
+def pytorch_llm_kwargs(spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None) -> dict[str, Any]:
+    """Arguments of `trtllm_moespec.LLM` for an engine directory (tree left as a dict)."""
+    if spec.checkpoint is None:
+        raise ValueError(f"{engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
+    return {
+        "model": spec.checkpoint,
+        "draft_model": spec.draft_model,
+        "policy": spec.policy,
+        "tree": dict(spec.tree),
+        "device": device or "cpu",
+        "dtype": dtype or spec.dtype,
+        "cost_profile": str(engine_dir / spec.cost_profile) if spec.cost_profile else None,
+        "predictor": spec.predictor,
+    }
+
+
+def trtllm_worker_policy(spec: EngineSpec) -> str:
+    """The policy the TensorRT-LLM worker runs for this engine (expert-aware ones degrade)."""
+    if spec.policy in TREE_ONLY_POLICIES and (spec.policy != "evict" or spec.cost_profile):
+        return spec.policy
+    fallback = "evict" if spec.cost_profile else "eagle3"
+    log.warning("policy %s cannot run inside the TensorRT-LLM worker (no per-node expert predictions or no cost "
+                "profile there); using %s on TensorRT-LLM", spec.policy, fallback)
+    return fallback
+
+
+@dataclass(frozen=True)
+class ExecutorStats:
+    mean_accepted_tokens: float  # committed tokens per iteration, bonus included
+    verified_tokens: float  # draft tokens verified per iteration
+    num_steps: int  # speculative iterations
+
+
+@dataclass(frozen=True)
+class ExecutorOutput:
+    """One completion from the TensorRT-LLM backend (the PyTorch engine returns its own outputs)."""
+
+    text: str
+    token_ids: list[int]
+    stats: ExecutorStats
+
+
+def acceptance_stats(num_tokens: int, accepted_draft_tokens: int, draft_tokens: int) -> ExecutorStats:
+    """Our stats from TensorRT-LLM's per-request counters (each iteration emits 1 + accepted)."""
+    steps = max(num_tokens - accepted_draft_tokens, 0)
+    if steps == 0:
+        return ExecutorStats(math.nan, math.nan, 0)
+    return ExecutorStats(num_tokens / steps, draft_tokens / steps, steps)
+
+
+class _PytorchBackend:
+    def __init__(self, spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None):
+        import trtllm_moespec
+
+        kwargs = pytorch_llm_kwargs(spec, engine_dir, device, dtype)
+        kwargs["tree"] = trtllm_moespec.TreeConfig(**kwargs["tree"])
+        self.llm = trtllm_moespec.LLM(**kwargs)
+
+    def generate(self, prompts: Sequence[str], params: Any) -> list[Any]:
+        return self.llm.generate(list(prompts), params)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines)
+    def __init__(self, spec: EngineSpec, engine_dir: Path, profile: int | None, mpi_session: Any = None):
+        import yaml
+        from tensorrt_llm import LLM
+        from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+
+        from ..backends.trtllm.worker import WorkerSettings, install
+
+        if spec.checkpoint is None:
+            raise ValueError(f"{engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
+        if spec.mode == "tree":
+            cost = str(engine_dir / spec.cost_profile) if spec.cost_profile else None
+            install(WorkerSettings(policy=trtllm_worker_policy(spec), cost_profile=cost))
+        else:
+            log.warning("chain mode: TensorRT-LLM verifies the whole linear draft of the chosen profile")
+        options_path = spec.llm_api_options if profile is None else _profile_yaml(spec, profile)
+        options = yaml.safe_load((engine_dir / options_path).read_text())
+        args = update_llm_args_with_extra_dict({"model": spec.checkpoint}, options)
+        if mpi_session is not None:
+            args["_mpi_session"] = mpi_session
+        self.llm = LLM(**args)
+
+    def generate(self, prompts: Sequence[str], params: Any) -> list[ExecutorOutput]:
+        from tensorrt_llm import SamplingParams as TrtllmSamplingParams
+
+        trt_params = TrtllmSamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k or None, seed=params.seed, stop=params.stop, return_perf_metrics=True,
+        )
+        outputs = []
+        for result in self.llm.generate(list(prompts), trt_params):
+            completion = result.outputs[0]
+            spec_metrics = getattr(getattr(completion, "request_perf_metrics", None), "speculative_decoding", None)
+            accepted = getattr(spec_metrics, "total_accepted_draft_tokens", 0) or 0
+            drafted = getattr(spec_metrics, "total_draft_tokens", 0) or 0
+            ids = list(completion.token_ids)
+            outputs.append(ExecutorOutput(completion.text, ids, acceptance_stats(len(ids), accepted, drafted)))
+        return outputs
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _profile_yaml(spec: EngineSpec, verify_length: int) -> str:
+    for p in spec.profiles:
+        if p["verify_length"] == verify_length:
+            return p["llm_api_options"]
+    raise ValueError(f"no profile with verify length {verify_length}; have {[p['verify_length'] for p in spec.profiles]}")
+
+
+class Executor:
+    """Run an engine directory; `generate(prompts, SamplingParams)` like `trtllm_moespec.LLM`."""
+
+    def __init__(self, engine_dir: str | Path, backend: str = "auto", *, device: str | None = None,
+                 dtype: str | None = None, profile: int | None = None, mpi_session: Any = None):
+        self.engine_dir = Path(engine_dir)
+        self.spec = load_engine_spec(self.engine_dir)
+        self.backend = choose_backend(backend, trtllm_available())
+        if self.backend == "tensorrt_llm":
+            log.warning("MoESpec executor: running %s on TensorRT-LLM (policy %s, %s mode)",
+                        self.engine_dir, self.spec.policy, self.spec.mode)
+            self._impl = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session)
+        else:
+            log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
+                        "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
+            self._impl = _PytorchBackend(self.spec, self.engine_dir, device, dtype)
+
+    def generate(self, prompts: str | Sequence[str], sampling_params: Any = None) -> list[Any]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            from .. import SamplingParams
+
+            sampling_params = SamplingParams()
+        return self._impl.generate(prompts, sampling_params)
+
+    def shutdown(self) -> None:
+        self._impl.shutdown()

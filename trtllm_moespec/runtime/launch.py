@@ -1,0 +1,135 @@
+"""Multi-process entry point: `mpirun -n N python -m trtllm_moespec.runtime.launch --engine-dir E ...`.
+
+With tensorrt_llm importable, rank 0 builds the Executor on TensorRT-LLM with an
+MPI session over COMM_WORLD (the tensor/expert-parallel sizes come from the engine
+directory; the world size must equal tp * pp) and the other ranks serve as its
+workers. Without tensorrt_llm, rank 0 runs our PyTorch engine alone and every other
+rank exits at once with a message: the multi-rank PyTorch engine is a later issue.
+`--plan-only` prints what each rank would do and exits (used by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..backends.trtllm.config import EngineSpec, load_engine_spec
+from ..backends.trtllm.version import trtllm_available
+from .executor import choose_backend
+
+_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    backend: str  # "tensorrt_llm" | "pytorch"
+    role: str  # "leader" (runs generate), "worker" (serves the leader), "exit" (nothing to do)
+    message: str  # one line saying what this rank does
+
+
+def mpi_rank_and_size() -> tuple[int, int]:
+    """(rank, world size) from mpi4py when available, else launcher env vars, else (0, 1)."""
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    except ImportError:
+        pass
+    rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
+    size = next((int(os.environ[k]) for k in _SIZE_ENV if k in os.environ), 1)
+    return rank, size
+
+
+def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> LaunchPlan:
+    """What `rank` of `world_size` does for an engine on `backend` (already chosen)."""
+    tp, pp = spec.parallel["tp"], spec.parallel["pp"]
+    if backend == "tensorrt_llm":
+        if world_size > 1 and world_size != tp * pp:
+            raise ValueError(f"mpirun started {world_size} ranks but the engine needs tp*pp = {tp}*{pp} = {tp * pp}")
+        role = "leader" if rank == 0 else "worker"
+        return LaunchPlan(backend, role, f"rank {rank}/{world_size}: TensorRT-LLM {role} (tp={tp}, ep={spec.parallel['ep']})")
+    if rank == 0:
+        note = "" if world_size == 1 else f"; ranks 1..{world_size - 1} exit (multi-rank PyTorch engine is a later issue)"
+        return LaunchPlan(backend, "leader", f"rank 0/{world_size}: tensorrt_llm not available, running the PyTorch engine on this rank only{note}")
+    return LaunchPlan(backend, "exit", f"rank {rank}/{world_size}: tensorrt_llm not available and the PyTorch engine runs on rank 0 only "
+                      "(multi-rank PyTorch engine is a later issue); this rank exits")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--engine-dir", required=True)
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", choices=("auto", "tensorrt_llm", "pytorch"))
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--plan-only", action="store_true", help="print what each rank does and exit")
+    return parser
+
+
+def _serve_as_trtllm_worker() -> None:  # GPU machines only
+    from mpi4py.futures import MPICommExecutor
+    from mpi4py.MPI import COMM_WORLD
+
+    with MPICommExecutor(COMM_WORLD) as executor:
+        if executor is not None:
+            raise RuntimeError(f"rank {COMM_WORLD.Get_rank()} unexpectedly became the MPI executor root")
+
+
+def _trtllm_mpi_session(world_size: int):  # GPU machines only
+    if world_size == 1:
+        return None
+    from mpi4py.MPI import COMM_WORLD
+    from tensorrt_llm.llmapi import MpiCommSession
+
+    return MpiCommSession(comm=COMM_WORLD, n_workers=world_size)
+
+
+def _run_leader(args: argparse.Namespace, backend: str, world_size: int) -> None:
+    from .. import SamplingParams
+    from .executor import Executor
+
+    session = _trtllm_mpi_session(world_size) if backend == "tensorrt_llm" else None
+    executor = Executor(args.engine_dir, backend, device=args.device, dtype=args.dtype, mpi_session=session)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        outputs = executor.generate(args.prompt, params)
+    finally:
+        executor.shutdown()
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"--- {prompt!r}\n{out.text}")
+    stats = [{k: getattr(o.stats, k, None) for k in ("mean_accepted_tokens", "verified_tokens")} for o in outputs]
+    print(json.dumps({"backend": backend, "engine_dir": str(args.engine_dir), "stats": stats}))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = add_launch_arguments(argparse.ArgumentParser(prog="python -m trtllm_moespec.runtime.launch")).parse_args(argv)
+    rank, world_size = mpi_rank_and_size()
+    try:
+        spec = load_engine_spec(args.engine_dir)
+        backend = choose_backend(args.backend, trtllm_available())
+        plan = launch_plan(spec, rank, world_size, backend)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"rank {rank}: error: {e}", file=sys.stderr)
+        return 2
+    print(plan.message, file=sys.stderr if plan.role == "exit" else sys.stdout, flush=True)
+    if args.plan_only or plan.role == "exit":
+        return 0
+    if plan.role == "worker":
+        _serve_as_trtllm_worker()
+        return 0
+    _run_leader(args, backend, world_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
