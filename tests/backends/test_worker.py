@@ -152,3 +152,23 @@ def test_coverage_selection_is_padded_and_parent_closed():
     tokens, indices = moespec_resampling(history, select, 32, checks=True)
     assert tokens.shape == (3, 32) and (indices.diff(dim=1) > 0).all()
     selected_parent_positions(history, indices)
+
+
+def test_evict_through_the_select_tree_op_matches_the_core_policy(tmp_path):
+    from trtllm_moespec.backends.trtllm.buffers import draft_tree_from_history
+    from trtllm_moespec.core.cost import CostTable
+    from trtllm_moespec.core.policies import make_policy
+
+    table = CostTable(costs=tuple(0.010 + 0.0004 * k + 0.00002 * k * k for k in range(33)), model_id="m")
+    path = table.save(tmp_path / "cost_profile.json")
+    history = fill_history(*random_draft(4, 8, 4, seed=21))
+    tree = draft_tree_from_history(history)
+    select = make_selector(WorkerSettings(policy="evict", cost_profile=str(path)), 32)
+    got = select(tree)
+    want = make_policy("evict", cost_table=table, budget=32).select(tree)
+    assert torch.equal((got >= 0).sum(1), want.num_selected)
+    assert 0 < int(want.num_selected.min()) and int(want.num_selected.max()) < 32  # the utility peak is interior
+    for b in range(4):
+        assert set(got[b][got[b] >= 0].tolist()) == set(want.node_idx[b][want.node_idx[b] >= 0].tolist())
+    tokens, indices = moespec_resampling(history, select, 32, checks=True)
+    selected_parent_positions(history, indices)

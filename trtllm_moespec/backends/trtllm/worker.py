@@ -9,10 +9,10 @@ the history buffers into our DraftTree (buffers.py), lets our selection choose t
 nodes, pads the choice to N with the next-best nodes (the graph verifies N) and
 returns the same (draft tokens, sorted history indices) pair.
 
-Selection runs through `trtllm_moespec.kernels.select_tree(tree, policy)` (the
-`moespec::select_tree` custom op, graph-capturable) when the kernels package
-provides it, else through the core policy in eager PyTorch (which synchronises
-with the host: run TensorRT-LLM without CUDA graphs in that case).
+EVICT runs through the `moespec::select_tree` custom op (trtllm_moespec.kernels:
+Triton on CUDA, no host synchronisation, so it can live inside TensorRT-LLM's
+captured graphs). eagle3 and coverage run the core policy in eager PyTorch, which
+synchronises with the host: run TensorRT-LLM without CUDA graphs for those.
 
 There is no worker registry in TensorRT-LLM: workers come from
 `tensorrt_llm._torch.speculative.utils.get_spec_worker`, which
@@ -86,19 +86,23 @@ def make_selector(settings: WorkerSettings, verify_length: int) -> Selector:
 
         options["cost_table"] = CostTable.load(settings.cost_profile)
     policy = make_policy(settings.policy, **options)
-    kernel = _kernel_select_tree()
-    if kernel is not None:
-        return lambda tree: kernel(tree, policy).node_idx
+    if settings.policy == "evict":
+        return _evict_op_selector(options["cost_table"], options["budget"])
     return lambda tree: policy.select(tree).node_idx
 
 
-def _kernel_select_tree() -> Callable | None:
-    """`trtllm_moespec.kernels.select_tree` if the kernels package provides it."""
-    try:
-        kernels = importlib.import_module("trtllm_moespec.kernels")
-    except ImportError:
-        return None
-    return getattr(kernels, "select_tree", None)
+def _evict_op_selector(cost_table: Any, budget: int) -> Selector:
+    """EVICT through the `moespec::select_tree` op (Triton on CUDA, graph-capturable)."""
+    from ...kernels import select_tree
+
+    def select(tree: DraftTree) -> torch.Tensor:
+        B, N = tree.token_ids.shape
+        no_bits = torch.zeros(B, N, 1, dtype=torch.int64, device=tree.scores.device)  # evict ignores experts
+        table = cost_table.as_tensor(tree.scores.device)
+        return select_tree(tree.scores, tree.parents, tree.valid, tree.depth, no_bits, no_bits[:, 0], table,
+                           "evict", budget).node_idx
+
+    return select
 
 
 def moespec_resampling(
