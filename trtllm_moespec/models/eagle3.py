@@ -260,7 +260,7 @@ class Eagle3Drafter(nn.Module):
     def new_cache(self) -> Eagle3Cache:
         return Eagle3Cache()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def extend(self, cache: Eagle3Cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
         """Append n drafter positions: token_ids [1, n] paired with target_hidden [1, n, 3*H_target]
         (hidden of the target position *before* each token). Updates the last-position outputs."""

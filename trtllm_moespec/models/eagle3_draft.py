@@ -35,7 +35,7 @@ class Eagle3Draft:
     num_forwards: int  # drafter forwards run (steps - 1 unless DDD stopped early)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def draft_eagle3_tree(
     drafter: "Eagle3Drafter",
     cache: "Eagle3Cache",

@@ -154,7 +154,7 @@ class TargetModel:
         return TargetCache(kv=DynamicCache())
 
     # ------------------------------------------------------------------ forwards
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, cache: TargetCache, input_ids: torch.Tensor, all_logits: bool = False) -> TargetOutput:
         """Append `input_ids` [1, T] causally after the committed tokens (prompt prefill,
         or plain one-by-one decoding). Logits are for the last position only unless
@@ -168,7 +168,7 @@ class TargetModel:
         cache.num_tokens = P + T
         return out
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def verify(self, cache: TargetCache, layout: TreeLayout) -> TargetOutput:
         """One forward over the root and the selected nodes of `layout` (batch 1).
 
@@ -186,7 +186,7 @@ class TargetModel:
         cache.num_pending = layout.num_positions
         return out
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def commit(self, cache: TargetCache, accepted_pos: torch.Tensor) -> None:
         """Keep the root and the accepted layout positions `accepted_pos` [D] (-1 pad, in
         path order) of the last verify; drop every other tree slot. Afterwards the cache
