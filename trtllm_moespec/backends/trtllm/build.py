@@ -201,9 +201,20 @@ def write_engine_dir(spec: EngineSpec, out: Path, command: str) -> list[Path]:
     return written + [main, out / MOESPEC_JSON, out / "README.md"]
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """The build command as a shell line, rebuilt from the parsed arguments."""
+    parts = ["moespec", "build"]
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or value is None or value is False or key in ("command", "func"):
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def build_engine(args: argparse.Namespace) -> int:
     """Run a build from parsed arguments; returns the process exit code."""
-    command = "moespec build " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []) or [])
+    command = _command_line(args)
     try:
         spec = plan_engine(args)
         if not args.dry_run and spec.checkpoint is None:
@@ -232,7 +243,4 @@ def build_engine(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = add_build_arguments(argparse.ArgumentParser(prog="moespec build", description=__doc__.split("\n")[0]))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
-    args._argv = argv
-    return build_engine(args)
+    return build_engine(parser.parse_args(argv))
