@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from .cost import CostTable, ExpertCostModel
@@ -60,14 +61,16 @@ class SelectionPolicy(ABC):
 
 
 def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cost: torch.Tensor | None) -> Selection:
-    """Selection = the first k[b] entries of order[b]."""
-    K = order.shape[1]
-    keep = torch.arange(K, device=order.device)[None, :] < k[:, None]
-    node_idx = torch.where(keep, order, -1)
-    picked = torch.where(keep, gather_nodes(scores.double(), order, 0.0), 0.0)
-    expected = 1.0 + picked.sum(1)
-    cost = cost if cost is not None else torch.full_like(expected, math.nan)
-    return Selection(node_idx, keep.sum(1), expected, cost)
+    """Selection = the first k[b] entries of order[b] (numpy inside: these tensors are tiny)."""
+    device = order.device
+    o, kk = order.cpu().numpy(), k.cpu().numpy()
+    s = scores.detach().cpu().double().numpy()
+    keep = np.arange(o.shape[1])[None, :] < kk[:, None]
+    picked = np.take_along_axis(s, np.maximum(o, 0), 1) if s.shape[1] else np.zeros(o.shape)
+    expected = 1.0 + np.where(keep, picked, 0.0).sum(1)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    cost = cost if cost is not None else torch.full((len(kk),), math.nan, dtype=torch.float64, device=device)
+    return Selection(to(np.where(keep, o, -1)), to(keep.sum(1).astype(np.int64)), to(expected), cost)
 
 
 def _check_budget(budget: int, name: str) -> None:

@@ -64,7 +64,9 @@ def sample_from_probs(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last cumulative value.
     """
     cdf = weights.cumsum(-1)
-    total = cdf[..., -1:]
-    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True)[:, 0]
-    last_nonzero = (weights > 0).long().cumsum(-1).argmax(-1)  # first index of the final count = last nonzero
-    return torch.minimum(idx, last_nonzero)
+    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * cdf[..., -1:], right=True)[:, 0]
+    overflow = idx >= weights.shape[-1]
+    if bool(overflow.any()):  # rounding: fall back to the last token with weight
+        last_nonzero = (weights > 0).long().cumsum(-1).argmax(-1)
+        idx = torch.where(overflow, last_nonzero, idx)
+    return idx

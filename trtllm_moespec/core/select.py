@@ -41,28 +41,34 @@ def evict_select(
     Returns (k* [B] int64, expected tokens 1 + S_k* [B] float64, C(k*) [B] float64).
     Only k <= min(num_valid, K, N) is considered; ties go to the smallest k.
     """
-    B, N = sorted_scores.shape
-    K = min(N, cost_table.shape[0] - 1)
-    ks = torch.arange(K + 1, device=sorted_scores.device)
-    scores = torch.where(ks[1:] <= num_valid[:, None], sorted_scores[:, :K].double(), 0.0)
-    expected = 1.0 + torch.cat([scores.new_zeros(B, 1), scores.cumsum(1)], 1)  # [B, K+1]
-    cost = cost_table[: K + 1].double().to(sorted_scores.device)
-    utility = expected / cost
-    utility = torch.where(ks[None, :] <= num_valid[:, None], utility, float("-inf"))
+    device = sorted_scores.device
+    scores = sorted_scores.detach().cpu().double().numpy()
+    n_valid = num_valid.detach().cpu().numpy()
+    cost = cost_table.detach().cpu().double().numpy()
+    B, N = scores.shape
+    K = min(N, cost.shape[0] - 1)
+    ks = np.arange(K + 1)
+    live = ks[None, :] <= n_valid[:, None]  # [B, K+1]
+    expected = 1.0 + np.concatenate([np.zeros((B, 1)), np.cumsum(np.where(live[:, 1:], scores[:, :K], 0.0), 1)], 1)
+    utility = np.where(live, expected / cost[None, : K + 1], -np.inf)
     k_star = utility.argmax(1)  # first maximum
-    rows = torch.arange(B, device=sorted_scores.device)
-    return k_star, expected[rows, k_star], cost[k_star]
+    rows = np.arange(B)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return to(k_star.astype(np.int64)), to(expected[rows, k_star]), to(cost[k_star])
 
 
 def path_bits(node_bits: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """[B, N, W] E_path(v): union of the node sets on each root->v path."""
-    out = node_bits.clone()
-    max_depth = int(depth.max().item()) if depth.numel() else 0
-    p_safe = parents.clamp(min=0)
+    return torch.from_numpy(_path_bits_np(node_bits.cpu().numpy(), parents.cpu().numpy(), depth.cpu().numpy())).to(
+        node_bits.device)
+
+
+def _path_bits_np(bits: np.ndarray, parents: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    out = bits.copy()
+    max_depth = int(depth.max()) if depth.size else 0
     for d in range(2, max_depth + 1):  # depth-1 nodes hang from the root: their path is themselves
-        at_d = (depth == d)[:, :, None]
-        parent_path = out.gather(1, p_safe[:, :, None].expand_as(out))
-        out = torch.where(at_d, out | parent_path, out)
+        b, i = np.nonzero(depth == d)
+        out[b, i] |= out[b, parents[b, i]]  # parents at depth d-1 are final already
     return out
 
 
@@ -112,21 +118,27 @@ def greedy_expert_select(
 
 def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, marginal, order, cu, uniq):
     """One request of greedy_expert_select (numpy, writes into order/cu/uniq)."""
-    selected = np.zeros(len(scores), dtype=bool)
+    N = len(scores)
+    children = [[] for _ in range(N + 1)]  # children[N] = the root's children
+    for i in np.flatnonzero(valid):
+        children[parents[i] if parents[i] >= 0 else N].append(i)
+    is_cand = np.zeros(N, dtype=bool)
+    is_cand[children[N]] = True
     union = buf.copy()
+    not_ref = ~buf  # bits that count as new
     uniq[0] = int(np.bitwise_count(union).sum())
     n = 0
     while n < M:
-        parent_ok = np.where(parents >= 0, selected[np.maximum(parents, 0)], True)
-        cand = np.flatnonzero(valid & ~selected & parent_ok)
+        cand = np.flatnonzero(is_cand)  # ascending, so argmax's first maximum is the lowest index
         if cand.size == 0:
             break
-        ref = buf if not marginal else union
-        new = np.bitwise_count(bits[cand] & ~ref).sum(-1)
-        key = scores[cand] / (token_cost + expert_cost * new)
-        v = cand[int(np.argmax(key))]  # cand is ascending, argmax takes the first max: lowest index wins ties
-        selected[v] = True
+        new = np.bitwise_count(bits[cand] & not_ref).sum(1)
+        v = cand[int(np.argmax(scores[cand] / (token_cost + expert_cost * new)))]
+        is_cand[v] = False
+        is_cand[children[v]] = True
         union |= bits[v]
+        if marginal:
+            not_ref = ~union
         order[n] = v
         cu[n + 1] = cu[n] + scores[v]
         n += 1

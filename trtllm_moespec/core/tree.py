@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
@@ -198,15 +199,15 @@ def score_order(tree: DraftTree) -> torch.Tensor:
     order is parent-closed.
     """
     B, N = tree.token_ids.shape
-    order = torch.arange(N, device=tree.token_ids.device).expand(B, N)
-    # Three stable sorts, least significant key first.
-    key_depth = torch.where(tree.valid, tree.depth, N + 1)
-    order = order.gather(1, key_depth.gather(1, order).argsort(dim=1, stable=True))
-    key_score = torch.where(tree.valid, -tree.log_scores, float("inf"))
-    order = order.gather(1, key_score.gather(1, order).argsort(dim=1, stable=True))
-    key_valid = (~tree.valid).to(torch.int8)
-    order = order.gather(1, key_valid.gather(1, order).argsort(dim=1, stable=True))
-    return order
+    if N == 0:
+        return torch.zeros(B, 0, dtype=torch.int64, device=tree.token_ids.device)
+    valid = tree.valid.cpu().numpy()
+    neg_score = np.where(valid, -tree.log_scores.cpu().numpy().astype(np.float64), np.inf)
+    depth = tree.depth.cpu().numpy()
+    index = np.broadcast_to(np.arange(N), (B, N))
+    # lexsort: the last key is the primary one.
+    order = np.lexsort((index, depth, neg_score, ~valid), axis=-1)
+    return torch.from_numpy(order.astype(np.int64)).to(tree.token_ids.device)
 
 
 def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:

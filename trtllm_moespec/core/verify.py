@@ -71,7 +71,7 @@ def verify_tree(
         raise ValueError(f"need one SamplingConfig per request: got {len(configs)} for batch {B}")
     if uniforms is None:
         uniforms = draw_uniforms(B, T, generators)
-    uniforms = uniforms.to(target_logits.device)
+    uniforms = uniforms.to(device=target_logits.device, dtype=torch.float32)
     children = _children(layout)  # [B, T, C]
     D = layout.max_depth
     rows = torch.arange(B, device=target_logits.device)
@@ -81,25 +81,15 @@ def verify_tree(
     accepted_pos = torch.full((B, D), -1, dtype=torch.int64, device=cur.device)
     bonus = torch.zeros_like(cur)
     done = torch.zeros(B, dtype=torch.bool, device=cur.device)
+    greedy = all(c.greedy for c in configs)
     for depth in range(D + 1):
-        r = _probs_at(target_logits, cur, configs).double()  # [B, V] residual, unnormalised
-        total = r.sum(-1)
-        chosen = torch.full_like(cur, -1)
-        for c in range(children.shape[2]):
-            child = children[rows, cur, c]  # [B]
-            active = (child >= 0) & (chosen < 0) & ~done
-            tok = layout.token_ids[rows, child.clamp(min=0)]
-            r_tok = r[rows, tok]
-            u = uniforms[rows, child.clamp(min=0)]
-            accept = active & (r_tok > 0) & (u * total <= r_tok)
-            chosen = torch.where(accept, child, chosen)
-            reject = active & ~accept
-            r[rows, tok] = torch.where(reject, 0.0, r_tok)
-            total = torch.where(reject, total - r_tok, total)
+        kids = children[rows, cur]  # [B, C]
+        if greedy:  # p is one-hot on the argmax: accept the child equal to it, else emit it
+            chosen, sample = _greedy_step(layout, target_logits[rows, cur], kids)
+        else:
+            chosen, sample = _sampling_step(layout, _probs_at(target_logits, cur, configs), kids, uniforms)
         stop = ~done & (chosen < 0)
-        if stop.any():
-            sample = sample_from_probs(r, uniforms[:, -1])
-            bonus = torch.where(stop, sample, bonus)
+        bonus = torch.where(stop, sample, bonus)
         step = ~done & (chosen >= 0)
         if depth < D:
             accepted_pos[:, depth] = torch.where(step, chosen, -1)
@@ -109,6 +99,41 @@ def verify_tree(
         if bool(done.all()):
             break
     return _result(layout, accepted_pos, num_accepted, bonus)
+
+
+def _greedy_step(layout: TreeLayout, logits: torch.Tensor, kids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen child [B] or -1, argmax [B]) at the current nodes; logits: [B, V], kids: [B, C]."""
+    if not torch.isfinite(logits).all():
+        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+    best = logits.argmax(-1)  # [B]
+    kid_tokens = layout.token_ids.gather(1, kids.clamp(min=0))
+    match = (kids >= 0) & (kid_tokens == best[:, None])
+    chosen = torch.where(match.any(1), kids.gather(1, match.long().argmax(1, keepdim=True))[:, 0], -1)
+    return chosen, best
+
+
+def _sampling_step(
+    layout: TreeLayout, r: torch.Tensor, kids: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Test the current nodes' children in order against the residual r [B, V] (modified in place).
+
+    Returns (accepted child [B] or -1, a sample of the final residual [B]).
+    """
+    rows = torch.arange(r.shape[0], device=r.device)
+    total = r.sum(-1)
+    chosen = torch.full_like(rows, -1)
+    for c in range(kids.shape[1]):
+        child = kids[:, c]
+        active = (child >= 0) & (chosen < 0)
+        tok = layout.token_ids[rows, child.clamp(min=0)]
+        r_tok = r[rows, tok]
+        u = uniforms[rows, child.clamp(min=0)]
+        accept = active & (r_tok > 0) & (u * total <= r_tok)
+        chosen = torch.where(accept, child, chosen)
+        reject = active & ~accept
+        r[rows, tok] = torch.where(reject, 0.0, r_tok)
+        total = torch.where(reject, total - r_tok, total)
+    return chosen, sample_from_probs(r, uniforms[:, -1])
 
 
 def _probs_at(target_logits: torch.Tensor, cur: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
@@ -150,6 +175,7 @@ def verify_tree_reference(
     """Plain-Python reference of verify_tree (same rule, same uniforms); for tests."""
     B, T = layout.token_ids.shape
     D = layout.max_depth
+    u = uniforms.float()
     accepted_pos = torch.full((B, D), -1, dtype=torch.int64)
     num_accepted = torch.zeros(B, dtype=torch.int64)
     bonus = torch.zeros(B, dtype=torch.int64)
@@ -158,16 +184,18 @@ def verify_tree_reference(
         valid = layout.valid[b].tolist()
         node, n = 0, 0
         while True:
-            r = target_probs(target_logits[b, node][None].cpu(), configs[b])[0].double()
+            r = target_probs(target_logits[b, node][None].cpu(), configs[b])[0]
+            total = r.sum()
             chosen = -1
             for child in (j for j in range(T) if valid[j] and parent[j] == node):
                 tok = int(layout.token_ids[b, child])
-                if r[tok] > 0 and float(uniforms[b, child]) * float(r.sum()) <= float(r[tok]):
+                if r[tok] > 0 and u[b, child] * total <= r[tok]:
                     chosen = child
                     break
+                total = total - r[tok]
                 r[tok] = 0.0
             if chosen < 0:
-                bonus[b] = sample_from_probs(r[None], uniforms[b, -1:].double())[0]
+                bonus[b] = sample_from_probs(r[None], u[b, -1:])[0]
                 break
             accepted_pos[b, n] = chosen
             n += 1
