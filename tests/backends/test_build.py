@@ -61,24 +61,24 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
     assert rc == 0, err
     assert "dry run" in stdout and "cost_profile.json" in stdout
     spec = load_engine_spec(out)
-    assert [p["verify_length"] for p in spec.profiles] == [4, 8, 16, 32]
+    assert [p.verify_length for p in spec.profiles] == [4, 8, 16, 32]
     assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
     assert spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
     preset = PRESETS[name]
     for p in spec.profiles:
-        options = yaml.safe_load((out / p["llm_api_options"]).read_text())
+        options = yaml.safe_load((out / p.options_yaml).read_text())
         validate_llm_api_options(options)
         sc = options["speculative_config"]
-        assert sc["decoding_type"] == "Eagle3" and sc["max_total_draft_tokens"] == p["verify_length"]
+        assert sc["decoding_type"] == "Eagle3" and sc["max_total_draft_tokens"] == p.verify_length
         assert sc["speculative_model_dir"] == str(draft.resolve())
         assert sc["eagle3_layers_to_capture"] == [1, preset.num_layers // 2 - 1, preset.num_layers - 4]
         assert options["cuda_graph_config"]["batch_sizes"] == [1, 2, 4, 6]
         assert options["tensor_parallel_size"] == preset.recommended_tp
         if preset.has_sliding_window:  # GPT-OSS: chain mode
-            assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == p["verify_length"]
+            assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == p.verify_length
         else:
             assert sc["use_dynamic_tree"] is True and sc["dynamic_tree_max_topK"] == 8
-            assert sc["max_draft_len"] == min(4, p["verify_length"])
+            assert sc["max_draft_len"] == min(4, p.verify_length)
     main = yaml.safe_load((out / "llm_api_options.yaml").read_text())
     assert main["speculative_config"]["max_total_draft_tokens"] == 32
     readme = (out / "README.md").read_text()
@@ -91,8 +91,8 @@ def test_local_hf_directory_as_model(dirs, capsys):
     rc, _, err = run(["--model", ckpts["qwen3-30b-a3b"], "--draft-model", draft, "--out", tmp / "e", "--dry-run"], capsys)
     assert rc == 0, err
     spec = load_engine_spec(tmp / "e")
-    assert spec.checkpoint == str(ckpts["qwen3-30b-a3b"].resolve()) and spec.model["num_experts"] == 128
-    assert [p["verify_length"] for p in spec.profiles] == [32]
+    assert spec.checkpoint == str(ckpts["qwen3-30b-a3b"].resolve()) and spec.model.num_experts == 128
+    assert [p.verify_length for p in spec.profiles] == [32]
 
 
 @pytest.mark.parametrize(

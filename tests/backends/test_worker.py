@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.backends.test_buffers import fill_history, random_draft
-from trtllm_moespec.backends.trtllm import worker as moespec_worker
 from trtllm_moespec.backends.trtllm.buffers import default_resampling, selected_parent_positions
 from trtllm_moespec.backends.trtllm.version import UnsupportedTensorRTLLMVersion, check_version, is_supported
 from trtllm_moespec.backends.trtllm.worker import (

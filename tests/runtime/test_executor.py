@@ -1,5 +1,6 @@
 """Executor backend choice, fallback arguments and TensorRT-LLM statistics (CPU)."""
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -36,11 +37,11 @@ def test_pytorch_fallback_arguments_mirror_the_engine_dir(engine_dir):
 def test_worker_policy_degrades_expert_aware_policies(engine_dir, caplog):
     spec = load_engine_spec(engine_dir)
     assert trtllm_worker_policy(spec) == "eagle3"
-    joint = type(spec)(**{**spec.to_json(), "policy": "joint"})
+    joint = dataclasses.replace(spec, policy="joint")
     with caplog.at_level(logging.WARNING):
         assert trtllm_worker_policy(joint) == "eagle3"  # no cost profile in a dry run
     assert "cannot run inside the TensorRT-LLM worker" in caplog.text
-    profiled = type(spec)(**{**spec.to_json(), "policy": "joint", "cost_profile": "cost_profile.json"})
+    profiled = dataclasses.replace(spec, policy="joint", cost_profile="cost_profile.json")
     assert trtllm_worker_policy(profiled) == "evict"
 
 

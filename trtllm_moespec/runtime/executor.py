@@ -45,7 +45,7 @@ def pytorch_llm_kwargs(spec: EngineSpec, engine_dir: Path, device: str | None, d
         "model": spec.checkpoint,
         "draft_model": spec.draft_model,
         "policy": spec.policy,
-        "tree": dict(spec.tree),
+        "tree": {"steps": spec.tree.steps, "topk": spec.tree.topk, "max_draft_tokens": spec.tree.max_draft_tokens},
         "device": device or "cpu",
         "dtype": dtype or spec.dtype,
         "cost_profile": str(engine_dir / spec.cost_profile) if spec.cost_profile else None,
@@ -117,7 +117,7 @@ class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines
             install(WorkerSettings(policy=trtllm_worker_policy(spec), cost_profile=cost))
         else:
             log.warning("chain mode: TensorRT-LLM verifies the whole linear draft of the chosen profile")
-        options_path = spec.llm_api_options if profile is None else _profile_yaml(spec, profile)
+        options_path = spec.llm_api_options if profile is None else spec.profile(profile).options_yaml
         options = yaml.safe_load((engine_dir / options_path).read_text())
         args = update_llm_args_with_extra_dict({"model": spec.checkpoint}, options)
         if mpi_session is not None:
@@ -143,13 +143,6 @@ class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines
 
     def shutdown(self) -> None:
         self.llm.shutdown()
-
-
-def _profile_yaml(spec: EngineSpec, verify_length: int) -> str:
-    for p in spec.profiles:
-        if p["verify_length"] == verify_length:
-            return p["llm_api_options"]
-    raise ValueError(f"no profile with verify length {verify_length}; have {[p['verify_length'] for p in spec.profiles]}")
 
 
 class Executor:

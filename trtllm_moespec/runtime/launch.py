@@ -47,12 +47,12 @@ def mpi_rank_and_size() -> tuple[int, int]:
 
 def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> LaunchPlan:
     """What `rank` of `world_size` does for an engine on `backend` (already chosen)."""
-    tp, pp = spec.parallel["tp"], spec.parallel["pp"]
+    tp, pp = spec.parallel.tp, spec.parallel.pp
     if backend == "tensorrt_llm":
         if world_size > 1 and world_size != tp * pp:
             raise ValueError(f"mpirun started {world_size} ranks but the engine needs tp*pp = {tp}*{pp} = {tp * pp}")
         role = "leader" if rank == 0 else "worker"
-        return LaunchPlan(backend, role, f"rank {rank}/{world_size}: TensorRT-LLM {role} (tp={tp}, ep={spec.parallel['ep']})")
+        return LaunchPlan(backend, role, f"rank {rank}/{world_size}: TensorRT-LLM {role} (tp={tp}, ep={spec.parallel.ep})")
     if rank == 0:
         note = "" if world_size == 1 else f"; ranks 1..{world_size - 1} exit (multi-rank PyTorch engine is a later issue)"
         return LaunchPlan(backend, "leader", f"rank 0/{world_size}: tensorrt_llm not available, running the PyTorch engine on this rank only{note}")

@@ -29,7 +29,6 @@ from .config import (
     MOESPEC_JSON,
     POLICIES,
     EngineSpec,
-    ParallelConfig,
     VerifyProfile,
     check_parallel,
     check_tree,
@@ -110,46 +109,36 @@ def plan_engine(args: argparse.Namespace) -> EngineSpec:
         raise BuildError(f"predictor {args.predictor} does not exist")
     if args.max_batch_size < 1:
         raise BuildError(f"--max-batch-size must be positive, got {args.max_batch_size}")
-    profiles = make_profiles(lengths, tree, mode)
     return EngineSpec(
-        model=preset.to_json(),
+        model=preset,
         checkpoint=checkpoint,
         draft_model=draft,
         policy=args.policy,
         mode=mode,
-        tree={"steps": tree.steps, "topk": tree.topk, "max_draft_tokens": tree.max_draft_tokens},
-        parallel={"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "moe_tp": parallel.moe_tp},
+        tree=tree,
+        parallel=parallel,
         max_batch_size=args.max_batch_size,
-        profiles=[{"verify_length": p.verify_length, "max_draft_len": p.max_draft_len, "llm_api_options": p.options_yaml} for p in profiles],
+        profiles=make_profiles(lengths, tree, mode),
         llm_api_options=MAIN_OPTIONS_YAML,
         cost_profile=None,
         predictor=str(Path(args.predictor).resolve()) if args.predictor else None,
         dtype=preset.dtype,
         versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": SUPPORTED_TRTLLM_RANGE, "tensorrt_llm": None},
         dry_run=bool(args.dry_run),
-        policy_options={"max_seq_len": args.max_seq_len} if args.max_seq_len else {},
+        max_seq_len=args.max_seq_len,
     )
 
 
-def profile_options(spec: EngineSpec, index: int) -> dict:
-    """The extra_llm_api_options mapping of profile `index` (validated)."""
-    p = spec.profiles[index]
-    return llm_api_options(
-        ModelPreset.from_json(spec.model),
-        TreeDefaults(**spec.tree),
-        ParallelConfig(**spec.parallel),
-        VerifyProfile(p["verify_length"], p["max_draft_len"], p["llm_api_options"]),
-        draft_dir=spec.draft_model,
-        mode=spec.mode,
-        max_batch_size=spec.max_batch_size,
-        max_seq_len=spec.policy_options.get("max_seq_len"),
-    )
+def profile_options(spec: EngineSpec, profile: VerifyProfile) -> dict:
+    """The extra_llm_api_options mapping of one profile (validated)."""
+    return llm_api_options(spec.model, spec.tree, spec.parallel, profile, draft_dir=spec.draft_model, mode=spec.mode,
+                           max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len)
 
 
 def engine_readme(spec: EngineSpec, command: str) -> str:
-    lengths = ", ".join(str(p["verify_length"]) for p in spec.profiles)
+    lengths = ", ".join(str(p.verify_length) for p in spec.profiles)
     lines = [
-        f"# MoESpec engine: {spec.model['name']}",
+        f"# MoESpec engine: {spec.model.name}",
         "",
         f"Built by trtllm_moespec {spec.versions['trtllm_moespec']} for tensorrt_llm {spec.versions['tensorrt_llm_range']}"
         f" (tensorrt_llm used: {spec.versions['tensorrt_llm'] or 'none'}).",
@@ -160,10 +149,10 @@ def engine_readme(spec: EngineSpec, command: str) -> str:
         "",
         f"- target checkpoint: {spec.checkpoint or '(not given; required to run)'}",
         f"- EAGLE-3 drafter: {spec.draft_model}",
-        f"- policy: {spec.policy}; tree: steps={spec.tree['steps']}, topk={spec.tree['topk']}, "
-        f"max_draft_tokens={spec.tree['max_draft_tokens']}; verify-length profiles: {lengths}",
-        f"- parallel: tp={spec.parallel['tp']} pp={spec.parallel['pp']} ep={spec.parallel['ep']} "
-        f"moe_tp={spec.parallel['moe_tp']}; max batch size {spec.max_batch_size}",
+        f"- policy: {spec.policy}; tree: steps={spec.tree.steps}, topk={spec.tree.topk}, "
+        f"max_draft_tokens={spec.tree.max_draft_tokens}; verify-length profiles: {lengths}",
+        f"- parallel: tp={spec.parallel.tp} pp={spec.parallel.pp} ep={spec.parallel.ep} "
+        f"moe_tp={spec.parallel.moe_tp}; max batch size {spec.max_batch_size}",
         f"- `{MAIN_OPTIONS_YAML}`: TensorRT-LLM `extra_llm_api_options` of the largest profile; "
         "`profiles/verify_<v>.yaml`: one per verify length (CUDA graphs are keyed by draft length).",
     ]
@@ -189,13 +178,13 @@ def write_engine_dir(spec: EngineSpec, out: Path, command: str) -> list[Path]:
     """Write YAMLs, moespec.json and README.md; returns the written paths."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for i, p in enumerate(spec.profiles):
-        path = out / p["llm_api_options"]
+    for p in spec.profiles:
+        path = out / p.options_yaml
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(profile_options(spec, i), sort_keys=False))
+        path.write_text(yaml.safe_dump(profile_options(spec, p), sort_keys=False))
         written.append(path)
     main = out / MAIN_OPTIONS_YAML
-    main.write_text(yaml.safe_dump(profile_options(spec, len(spec.profiles) - 1), sort_keys=False))
+    main.write_text(yaml.safe_dump(profile_options(spec, spec.profiles[-1]), sort_keys=False))
     (out / MOESPEC_JSON).write_text(json.dumps(spec.to_json(), indent=2) + "\n")
     (out / "README.md").write_text(engine_readme(spec, command))
     return written + [main, out / MOESPEC_JSON, out / "README.md"]

@@ -17,7 +17,7 @@ Draft modes:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -181,36 +181,52 @@ def llm_api_options(
 class EngineSpec:
     """What moespec.json records about an engine directory."""
 
-    model: dict[str, Any]  # ModelPreset.to_json()
-    checkpoint: str  # absolute path of the target checkpoint
+    model: ModelPreset  # the target's architecture facts
+    checkpoint: str | None  # absolute path of the target checkpoint (None: dry run without one)
     draft_model: str  # absolute path of the EAGLE-3 drafter
     policy: str
     mode: str  # "tree" | "chain"
-    tree: dict[str, int]  # steps, topk, max_draft_tokens
-    parallel: dict[str, int]  # tp, pp, ep, moe_tp
+    tree: TreeDefaults  # steps, topk, max_draft_tokens
+    parallel: ParallelConfig
     max_batch_size: int
-    profiles: list[dict[str, Any]]  # VerifyProfile fields
-    llm_api_options: str  # main YAML, relative
+    profiles: tuple[VerifyProfile, ...]  # ascending verify length
+    llm_api_options: str  # main YAML, relative to the engine dir
     cost_profile: str | None  # relative path, None until profiled on a GPU
     predictor: str | None  # absolute path of an expert predictor, if any
     dtype: str
-    versions: dict[str, Any]  # trtllm_moespec, tensorrt_llm_range, tensorrt_llm (None if absent)
+    versions: dict[str, str | None]  # trtllm_moespec, tensorrt_llm_range, tensorrt_llm (None if not used)
     dry_run: bool
+    max_seq_len: int | None = None
     format_version: int = ENGINE_FORMAT_VERSION
-    policy_options: dict[str, Any] = field(default_factory=dict)
+
+    def profile(self, verify_length: int) -> VerifyProfile:
+        for p in self.profiles:
+            if p.verify_length == verify_length:
+                return p
+        raise ValueError(f"no profile with verify length {verify_length}; have {[p.verify_length for p in self.profiles]}")
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["model"] = self.model.to_json()
+        d["profiles"] = [asdict(p) for p in self.profiles]
+        return d
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "EngineSpec":
         if data.get("format_version") != ENGINE_FORMAT_VERSION:
             raise ValueError(f"moespec.json format_version {data.get('format_version')!r} is not {ENGINE_FORMAT_VERSION}")
         known = set(EngineSpec.__dataclass_fields__)
-        missing = known - set(data) - {"policy_options"}
+        missing = known - set(data) - {"max_seq_len"}
         if missing:
             raise ValueError(f"moespec.json lacks {sorted(missing)}")
-        return EngineSpec(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        fields.update(
+            model=ModelPreset.from_json(data["model"]),
+            tree=TreeDefaults(**data["tree"]),
+            parallel=ParallelConfig(**data["parallel"]),
+            profiles=tuple(VerifyProfile(**p) for p in data["profiles"]),
+        )
+        return EngineSpec(**fields)
 
 
 def load_engine_spec(engine_dir: str | Path) -> EngineSpec:

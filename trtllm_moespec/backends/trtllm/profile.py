@@ -74,20 +74,20 @@ def profile_engine(spec: EngineSpec, engine_dir: Path, num_tokens: int = 256, re
     plain = {k: v for k, v in main.items() if k != "speculative_config"}
     points = {0: _seconds_per_iteration(plain, spec.checkpoint, 1, num_tokens, repeats)}
     for p in spec.profiles:
-        options = yaml.safe_load((engine_dir / p["llm_api_options"]).read_text())
-        os.environ[FORCE_ACCEPT_ENV] = str(p["max_draft_len"])
+        options = yaml.safe_load((engine_dir / p.options_yaml).read_text())
+        os.environ[FORCE_ACCEPT_ENV] = str(p.max_draft_len)
         try:
-            points[p["verify_length"]] = _seconds_per_iteration(
-                options, spec.checkpoint, p["max_draft_len"] + 1, num_tokens, repeats)
+            points[p.verify_length] = _seconds_per_iteration(
+                options, spec.checkpoint, p.max_draft_len + 1, num_tokens, repeats)
         finally:
             os.environ.pop(FORCE_ACCEPT_ENV, None)
-    max_nodes = max(p["verify_length"] for p in spec.profiles)
+    max_nodes = max(p.verify_length for p in spec.profiles)
     table = CostTable(
         costs=interpolate_costs(points, max_nodes),
-        model_id=spec.model["name"],
+        model_id=spec.model.name,
         device=torch.cuda.get_device_name(),
         dtype=spec.dtype,
-        tree=(spec.tree["steps"], spec.tree["topk"], spec.tree["max_draft_tokens"]),
+        tree=(spec.tree.steps, spec.tree.topk, spec.tree.max_draft_tokens),
         method=f"TensorRT-LLM {version}, forced acceptance, batch 1, {num_tokens} tokens, median of {repeats}; "
                f"measured at k={sorted(points)}, linear in between",
     )
