@@ -157,8 +157,8 @@ def engine_readme(spec: EngineSpec, command: str) -> str:
         "`profiles/verify_<v>.yaml`: one per verify length (CUDA graphs are keyed by draft length).",
     ]
     if spec.dry_run:
-        lines.append(f"- DRY RUN: no `{COST_PROFILE_JSON}`; policies that need C(k) (evict, joint) fall back to the "
-                     "PyTorch engine's own estimate until `moespec build` runs without --dry-run on the GPUs.")
+        lines.append(f"- DRY RUN: no `{COST_PROFILE_JSON}`. Policies that need C(k) (evict, joint) need a cost profile: "
+                     "run `moespec build` without --dry-run on the GPUs, or give the PyTorch engine one.")
     else:
         lines.append(f"- `{COST_PROFILE_JSON}`: C(k) profiled with forced acceptance on this machine.")
     if spec.mode == "chain":
@@ -168,8 +168,10 @@ def engine_readme(spec: EngineSpec, command: str) -> str:
             "",
             "TensorRT-LLM's EAGLE-3 dynamic tree does not support sliding-window attention, which this model uses. "
             "This engine therefore drafts a linear EAGLE-3 chain (`use_dynamic_tree: false`, "
-            "`max_draft_len` = the profile's verify length) and our selection only chooses how long a prefix of "
-            "the chain to verify (EVICT on a chain); no tree branching is verified.",
+            "`max_draft_len` = the profile's verify length); our selection chooses how long a prefix of the chain "
+            "to verify (EVICT on a chain). Status: that choice exists as tested functions, but TensorRT-LLM's "
+            "linear worker is not replaced yet, so on TensorRT-LLM each profile verifies its whole chain; the "
+            "PyTorch engine runs the full tree (its attention masks handle sliding windows).",
         ]
     return "\n".join(lines) + "\n"
 
