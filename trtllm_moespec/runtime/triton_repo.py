@@ -114,7 +114,11 @@ def write_triton_repo(engine_dir: Path, out: Path, name: str = "moespec", backen
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = add_triton_repo_arguments(argparse.ArgumentParser(prog="moespec triton-repo"))
-    args = parser.parse_args(argv)
+    return triton_repo(parser.parse_args(argv))
+
+
+def triton_repo(args: argparse.Namespace) -> int:
+    """Run `moespec triton-repo` from parsed arguments; returns the exit code."""
     try:
         model_dir = write_triton_repo(Path(args.engine_dir), Path(args.out), args.model_name, args.backend,
                                       args.device, args.dtype, args.decoupled)
