@@ -1,0 +1,82 @@
+"""Train the embedded default model family ``moespec-tiny`` on this CPU.
+
+Subcommands (run in this order; every step is seeded and the training steps are
+resumable with ``--resume``):
+
+  python build_scripts/train_tiny.py tokenizer --out runs/tiny
+  python build_scripts/train_tiny.py target --minutes 60 --out runs/tiny/target
+  python build_scripts/train_tiny.py export-target --ckpt runs/tiny/target
+  python build_scripts/train_tiny.py predictor --minutes 10 --out runs/tiny/predictor
+  python build_scripts/train_tiny.py export-predictor --ckpt runs/tiny/predictor
+  python build_scripts/train_tiny.py cost --model trtllm_moespec/assets/moespec-tiny/target
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ASSET_DIR = REPO / "trtllm_moespec" / "assets" / "moespec-tiny"
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training import corpus, data, tokenizer
+
+    start = time.time()
+    split = corpus.split_by_file(corpus.stdlib_root(), args.heldout_fraction, args.seed)
+    print(f"corpus {split.root}: {len(split.train)} train files, {len(split.heldout)} held-out files")
+    tok = tokenizer.train_bpe(corpus.read_documents(split.root, split.train), args.vocab_size)
+    tokenizer.save_pretrained(tok, args.out / "tokenizer")
+    (args.out / "split_heldout.txt").write_text("\n".join(split.heldout) + "\n")
+    streams = data.build_streams(tok, split)
+    data.save_streams(streams, args.out / "data")
+    print(
+        f"train {len(streams.train)} tokens ({len(streams.train) / streams.num_train_bytes:.3f} tok/byte), "
+        f"held-out {len(streams.heldout)} tokens; {time.time() - start:.0f}s"
+    )
+
+
+def cmd_target(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training.target import TargetShape
+    from trtllm_moespec.training.train_target import TrainConfig, train_target
+
+    cfg = TrainConfig(minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr, seed=args.seed)
+    shape = TargetShape(router_aux_loss_coef=args.aux_coef)
+    final = train_target(args.data, args.out, shape, cfg, resume=args.resume)
+    print(f"target: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("tokenizer", help="train the BPE tokenizer and encode the corpus")
+    p.add_argument("--out", type=Path, default=Path("runs/tiny"))
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--heldout-fraction", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tokenizer)
+    p = sub.add_parser("target", help="train the tiny Qwen3-MoE target (time-bounded, resumable)")
+    p.add_argument("--out", type=Path, default=Path("runs/tiny/target"))
+    p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
+    p.add_argument("--minutes", type=float, default=60.0, help="training time: the schedule length at the first launch, the session budget with --resume")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--aux-coef", type=float, default=0.03)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt with its schedule")
+    p.set_defaults(fn=cmd_target)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads if hasattr(args, "threads") else 2)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

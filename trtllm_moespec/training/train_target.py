@@ -1,0 +1,159 @@
+"""Time-bounded, resumable training of the tiny Qwen3-MoE target.
+
+The loss is next-token cross-entropy plus ``router_aux_loss_coef`` times the
+Switch load-balancing loss (transformers' ``load_balancing_loss_func``, returned as
+``aux_loss`` when ``output_router_logits=True``). The cosine schedule runs over
+training wall time (``planned_s`` = ``--minutes`` of the first launch, stored in
+the checkpoint), not over a step count: the machine is shared and its throughput
+varies several-fold, so a step count calibrated at launch would end the run far
+too early or too late. ``--resume`` continues the same schedule where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import Qwen3MoeForCausalLM
+
+from trtllm_moespec.training.checkpoint import Progress, load_checkpoint, save_checkpoint
+from trtllm_moespec.training.data import contiguous_windows, load_streams, random_windows
+from trtllm_moespec.training.target import TargetShape, make_config
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation knobs of the target run."""
+
+    minutes: float = 60.0  # wall-clock budget of this session
+    seq_len: int = 512  # training context
+    batch_size: int = 8  # sequences per step (8 x 512 = 4k tokens)
+    peak_lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine floor
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every_s: float = 300.0
+    ckpt_every_s: float = 300.0
+    eval_windows: int = 16  # held-out windows per periodic evaluation
+    final_eval_windows: int = 96  # at the end of a session (the export reports the full held-out set)
+    seed: int = 0
+
+
+def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
+    """Linear warmup over steps, then cosine over the elapsed fraction ``frac`` of the planned time."""
+    if step < cfg.warmup_steps:
+        return cfg.peak_lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, max(0.0, frac))
+    return cfg.peak_lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(model: Qwen3MoeForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainConfig) -> tuple[float, float]:
+    """One optimizer step on ``batch`` [B, S + 1]; returns (lm loss, aux loss)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
+    lm_loss = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss = lm_loss + model.config.router_aux_loss_coef * out.aux_loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return lm_loss.item(), out.aux_loss.item()
+
+
+@torch.no_grad()
+def heldout_loss(model: Qwen3MoeForCausalLM, stream: np.ndarray, seq_len: int, max_windows: int | None, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats/token) over contiguous held-out windows."""
+    was_training = model.training
+    model.eval()
+    windows = contiguous_windows(stream, seq_len, max_windows)
+    total, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
+        total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    model.train(was_training)
+    return total / count
+
+
+def _progress(start: Progress, step: int, planned: float, tokens: int, session_start: float, best: float) -> Progress:
+    return Progress(step, planned, tokens, start.elapsed_s + time.time() - session_start, best)
+
+
+def _setup_logging(out_dir: Path) -> logging.Logger:
+    logger = logging.getLogger("moespec.train_target")
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.FileHandler(out_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def train_target(data_dir: Path, out_dir: Path, shape: TargetShape, cfg: TrainConfig, resume: bool) -> Progress:
+    """Train (or resume) the target in ``out_dir``; returns the final progress."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = _setup_logging(out_dir)
+    streams = load_streams(data_dir)
+    torch.manual_seed(cfg.seed)
+    model = Qwen3MoeForCausalLM(make_config(shape)).train()
+    optimizer = make_optimizer(model, cfg)
+    if resume:
+        progress = load_checkpoint(out_dir, model, optimizer)
+        log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s")
+    else:
+        progress = Progress(step=0, planned_s=cfg.minutes * 60, tokens_seen=0, elapsed_s=0.0, best_heldout_loss=float("inf"))
+        (out_dir / "run_config.json").write_text(json.dumps({"shape": asdict(shape), "train": asdict(cfg)}, indent=2))
+        log.info(f"start: {sum(p.numel() for p in model.parameters())} params, shape {asdict(shape)}, train {asdict(cfg)}")
+    step, tokens, best = progress.step, progress.tokens_seen, progress.best_heldout_loss
+    planned = progress.planned_s
+    session_start = time.time()
+    last_eval = last_ckpt = session_start
+    deadline = session_start + cfg.minutes * 60
+    bar = tqdm(total=int(planned), initial=int(progress.elapsed_s), desc="target (s)", mininterval=10)
+    elapsed = progress.elapsed_s
+    while elapsed < planned and time.time() < deadline:
+        batch = random_windows(streams.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        lr = lr_at(step, elapsed / planned, cfg)
+        lm_loss, aux = train_step(model, optimizer, batch, lr, cfg)
+        step, tokens = step + 1, tokens + batch[:, 1:].numel()
+        new_elapsed = progress.elapsed_s + time.time() - session_start
+        bar.update(int(new_elapsed) - int(elapsed))
+        elapsed = new_elapsed
+        bar.set_postfix(step=step, loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}")
+        if step % 10 == 0:
+            rate = tokens / max(elapsed, 1e-9)
+            log.info(f"step {step} loss {lm_loss:.4f} aux {aux:.4f} lr {lr:.2e} tokens {tokens} elapsed {elapsed:.0f}/{planned:.0f}s ({rate:.0f} tok/s avg)")
+        now = time.time()
+        if now - last_eval >= cfg.eval_every_s:
+            loss = heldout_loss(model, streams.heldout, cfg.seq_len, cfg.eval_windows)
+            best = min(best, loss)
+            log.info(f"eval step {step} heldout_loss {loss:.4f} ppl {math.exp(loss):.2f}")
+            last_eval = time.time()
+        if now - last_ckpt >= cfg.ckpt_every_s:
+            save_checkpoint(out_dir, model, optimizer, _progress(progress, step, planned, tokens, session_start, best))
+            last_ckpt = time.time()
+    bar.close()
+    loss = heldout_loss(model, streams.heldout, cfg.seq_len, cfg.final_eval_windows)
+    best = min(best, loss)
+    final = _progress(progress, step, planned, tokens, session_start, best)
+    save_checkpoint(out_dir, model, optimizer, final)
+    log.info(f"done: step {step} tokens {tokens} heldout_loss {loss:.4f} ppl {math.exp(loss):.2f} elapsed {final.elapsed_s:.0f}s")
+    (out_dir / "final_eval.json").write_text(json.dumps({"heldout_loss": loss, "ppl": math.exp(loss), **asdict(final)}, indent=2))
+    return final
