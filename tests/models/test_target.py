@@ -45,10 +45,9 @@ def test_tree_verify_equals_each_branch_decoded_causally(hf_model):
         torch.testing.assert_close(out.logits[0, pos], plain_logits(hf_model, branch)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model, seed):
+def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model):
     target = TargetModel(hf_model)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     committed = torch.randint(0, 128, (1, 6), generator=gen)
     cache = target.new_cache()
     target.prefill(cache, committed[:, :-1])
