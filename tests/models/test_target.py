@@ -182,3 +182,17 @@ def test_bad_calls_raise(saved_qwen):
         target.prefill(cache, torch.tensor([[1]]))
     with pytest.raises(ValueError, match="out of the layout range"):
         target.commit(cache, torch.tensor([3]))
+
+
+def test_discard_drops_the_verify_slots(saved_qwen):
+    _, model = saved_qwen
+    target = TargetModel(model)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(8))
+    cache = target.new_cache()
+    target.prefill(cache, ids[:, :-1])
+    layout = build_layout(random_tree(5, 128, torch.Generator().manual_seed(8)), torch.arange(5)[None], ids[:, -1])
+    target.verify(cache, layout)
+    target.discard(cache)
+    assert cache.num_pending == 0 and all(layer.keys.shape[2] == 5 for layer in cache.kv.layers)
+    out = target.prefill(cache, ids[:, -1:])
+    torch.testing.assert_close(out.logits[0, -1], plain_logits(model, ids)[-1], atol=ATOL, rtol=0)

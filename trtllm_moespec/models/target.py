@@ -210,6 +210,15 @@ class TargetModel:
             layer.values = layer.values[:, :, : P + n]
         cache.num_tokens, cache.num_pending = P + n, 0
 
+    @torch.no_grad()
+    def discard(self, cache: TargetCache) -> None:
+        """Drop every slot of the last verify (an analysis-only "peek" forward leaves no trace)."""
+        P = cache.num_tokens
+        for layer in cache.kv.layers:
+            layer.keys = layer.keys[:, :, :P]
+            layer.values = layer.values[:, :, :P]
+        cache.num_pending = 0
+
     # ------------------------------------------------------------------ helpers
     def _check_ready(self, cache: TargetCache, token_ids: torch.Tensor) -> None:
         if cache.num_pending:
