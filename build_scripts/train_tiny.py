@@ -5,10 +5,13 @@ resumable with ``--resume``):
 
   python build_scripts/train_tiny.py tokenizer --out runs/tiny
   python build_scripts/train_tiny.py target --minutes 60 --out runs/tiny/target
-  python build_scripts/train_tiny.py export-target --ckpt runs/tiny/target
+  python build_scripts/train_tiny.py export-target --run runs/tiny/target
   python build_scripts/train_tiny.py predictor --minutes 10 --out runs/tiny/predictor
-  python build_scripts/train_tiny.py export-predictor --ckpt runs/tiny/predictor
-  python build_scripts/train_tiny.py cost --model trtllm_moespec/assets/moespec-tiny/target
+  python build_scripts/train_tiny.py export-predictor --run runs/tiny/predictor
+  python build_scripts/train_tiny.py report --out runs/tiny/report.json
+
+Outputs go to runs/tiny/ (git-ignored); the export steps write the shipped
+directories under trtllm_moespec/assets/moespec-tiny/.
 """
 
 from __future__ import annotations
@@ -53,6 +56,38 @@ def cmd_target(args: argparse.Namespace) -> None:
     print(f"target: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s")
 
 
+def cmd_export_target(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training.export import export_target
+
+    out = export_target(args.run, args.tokenizer, args.out)
+    print(f"exported target to {out}: {_dir_mb(out):.2f} MB")
+
+
+def cmd_predictor(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training.train_predictor import PredictorTrainConfig, train_predictor
+
+    cfg = PredictorTrainConfig(minutes=args.minutes, train_windows=args.train_windows, seed=args.seed)
+    _, final = train_predictor(args.target, args.data, args.out, cfg, resume=args.resume)
+    print(f"predictor: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}s, held-out loss {final.best_heldout_loss:.4f}")
+
+
+def cmd_export_predictor(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training.export import export_predictor
+
+    out = export_predictor(args.run, args.out)
+    print(f"exported predictor to {out}: {_dir_mb(out):.2f} MB")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from trtllm_moespec.training.report import build_report
+
+    build_report(args.target, args.predictor, args.data, args.out)
+
+
+def _dir_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -73,6 +108,30 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt with its schedule")
     p.set_defaults(fn=cmd_target)
+    p = sub.add_parser("export-target", help="write the fp16 target + tokenizer into the package assets")
+    p.add_argument("--run", type=Path, default=Path("runs/tiny/target"))
+    p.add_argument("--tokenizer", type=Path, default=Path("runs/tiny/tokenizer"))
+    p.add_argument("--out", type=Path, default=ASSET_DIR / "target")
+    p.set_defaults(fn=cmd_export_target)
+    p = sub.add_parser("predictor", help="trace the exported target's routing and train the expert predictor")
+    p.add_argument("--target", type=Path, default=ASSET_DIR / "target")
+    p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
+    p.add_argument("--out", type=Path, default=Path("runs/tiny/predictor"))
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--train-windows", type=int, default=1024, help="256-token windows of routing traces")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(fn=cmd_predictor)
+    p = sub.add_parser("export-predictor", help="write the fp16 predictor into the package assets")
+    p.add_argument("--run", type=Path, default=Path("runs/tiny/predictor"))
+    p.add_argument("--out", type=Path, default=ASSET_DIR / "predictor")
+    p.set_defaults(fn=cmd_export_predictor)
+    p = sub.add_parser("report", help="held-out loss, expert utilisation, C(k) curve, predictor accuracy and latency")
+    p.add_argument("--target", type=Path, default=ASSET_DIR / "target")
+    p.add_argument("--predictor", type=Path, default=ASSET_DIR / "predictor")
+    p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
+    p.add_argument("--out", type=Path, default=Path("runs/tiny/report.json"))
+    p.set_defaults(fn=cmd_report)
     args = parser.parse_args()
     torch.set_num_threads(args.threads if hasattr(args, "threads") else 2)
     args.fn(args)

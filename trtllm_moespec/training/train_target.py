@@ -26,6 +26,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from trtllm_moespec.training.checkpoint import Progress, load_checkpoint, save_checkpoint
 from trtllm_moespec.training.data import contiguous_windows, load_streams, random_windows
+from trtllm_moespec.training.schedule import cosine_lr
 from trtllm_moespec.training.target import TargetShape, make_config
 
 
@@ -50,10 +51,7 @@ class TrainConfig:
 
 def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
     """Linear warmup over steps, then cosine over the elapsed fraction ``frac`` of the planned time."""
-    if step < cfg.warmup_steps:
-        return cfg.peak_lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, max(0.0, frac))
-    return cfg.peak_lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return cosine_lr(step, frac, cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

@@ -1,0 +1,58 @@
+"""Training pieces: schedule, checkpoint round trip, the predictor objective."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_moespec.training.checkpoint import Progress, load_checkpoint, save_checkpoint
+from trtllm_moespec.training.data import contiguous_windows, random_windows
+from trtllm_moespec.training.schedule import cosine_lr
+from trtllm_moespec.training.train_predictor import predictor_loss
+
+
+def test_cosine_lr() -> None:
+    assert cosine_lr(0, 0.0, 1.0, 10, 0.1) == pytest.approx(0.1)
+    assert cosine_lr(10, 0.0, 1.0, 10, 0.1) == pytest.approx(1.0)
+    assert cosine_lr(50, 0.5, 1.0, 10, 0.1) == pytest.approx(0.55)
+    assert cosine_lr(99, 1.5, 1.0, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_checkpoint_roundtrip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    progress = Progress(step=7, planned_s=60.0, tokens_seen=123, elapsed_s=5.5, best_heldout_loss=2.5)
+    save_checkpoint(tmp_path, model, opt, progress)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    assert load_checkpoint(tmp_path, model2, opt2) == progress
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(FileNotFoundError, match="cannot resume"):
+        load_checkpoint(tmp_path / "nothing", model2, opt2)
+
+
+def test_windows_are_seeded() -> None:
+    import numpy as np
+
+    stream = np.arange(1000, dtype=np.uint16)
+    a, b = random_windows(stream, 4, 16, seed=0, step=3), random_windows(stream, 4, 16, seed=0, step=3)
+    assert torch.equal(a, b) and a.shape == (4, 17)
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 16, dtype=torch.int64))
+    assert not torch.equal(a, random_windows(stream, 4, 16, seed=0, step=4))
+    assert contiguous_windows(stream, 99).shape == (10, 100)
+
+
+def test_predictor_loss_uniform_target() -> None:
+    topk = torch.tensor([[[0, 1]]])  # [T=1, L=1, K=2]
+    perfect = torch.tensor([[[20.0, 20.0, -20.0, -20.0]]])  # half of the mass on each true expert
+    assert predictor_loss(perfect, topk).item() == pytest.approx(math.log(2), abs=1e-6)
+    flat = torch.zeros(1, 1, 4)
+    assert predictor_loss(flat, topk).item() == pytest.approx(math.log(4))
