@@ -10,7 +10,8 @@ expert sets arrive as int64 words ([N, W], bit = layer * num_experts + expert),
 processed in chunks of WB words so 94 x 256 experts (376 words) fit. In the
 marginal modes new(v) = |node(v) \\ B| (v's parent is selected, so its path is
 already inside the buffer B: the same number as |E_path(v) \\ B|), B = root | OR of
-the selected nodes' sets, recomputed per chunk each round. In the static mode
+the selected nodes' sets, kept in a [B, W] workspace row (stored after each pick,
+then a block barrier). In the static mode
 (`ecospec_global`) |E_path(v) \\ root| is computed once by walking ancestors.
 Keys are float64 score / (token_cost + expert_cost * new) with no fused
 multiply-add (launch with enable_fp_fusion=False), argmax ties to the lowest index.
@@ -42,11 +43,6 @@ def _popcount64(x):
     x = x + (x >> 16)
     x = x + (x >> 32)
     return x & 0x7F
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -113,7 +109,7 @@ def _evict_kernel(
 @triton.jit(do_not_specialize=["token_cost_bits", "expert_cost_bits", "c0_bits", "c_tok_bits", "c_exp_bits"])
 def _greedy_kernel(
     scores_ptr, parents_ptr, valid_ptr, depth_ptr,  # [B, N]
-    bits_ptr, root_ptr,  # [B, N, W] i64 per-node sets, [B, W] i64 root set
+    bits_ptr, root_ptr, buffer_ptr,  # [B, N, W] i64 per-node sets, [B, W] i64 root set, [B, W] i64 workspace
     out_idx_ptr, out_count_ptr, out_expected_ptr, out_cost_ptr,
     N, W, M, budget,
     token_cost_bits, expert_cost_bits, c0_bits, c_tok_bits, c_exp_bits,  # float64 scalars as int64 bit patterns
@@ -146,6 +142,8 @@ def _greedy_kernel(
         if USE_ROOT:
             root_c = tl.load(root_ptr + b * W + w, mask=in_w, other=0)
             u += tl.sum(_popcount64(root_c), axis=0)
+        if MARGINAL:
+            tl.store(buffer_ptr + b * W + w, root_c, mask=in_w)  # B starts at the root's set
         if not MARGINAL:
             m2 = in_n[:, None] & in_w[None, :]
             acc = tl.load(bits_ptr + row + w[None, :], mask=m2, other=0)
@@ -157,6 +155,7 @@ def _greedy_kernel(
                                     mask=has_p[:, None] & in_w[None, :], other=0)
                 p = tl.where(has_p, tl.load(parents_ptr + b * N + p_safe, mask=has_p, other=-1).to(tl.int64), -1)
             static_new += tl.sum(_popcount64(acc & ~root_c[None, :]), axis=1)
+    tl.debug_barrier()
 
     selected = offs < 0  # all False
     parent_ok = par < 0
@@ -180,9 +179,7 @@ def _greedy_kernel(
                 w = c + offs_w
                 in_w = w < W
                 tile = tl.load(bits_ptr + row + w[None, :], mask=in_n[:, None] & in_w[None, :], other=0)
-                buf = tl.reduce(tl.where(selected[:, None], tile, 0), 0, _or)
-                if USE_ROOT:
-                    buf = buf | tl.load(root_ptr + b * W + w, mask=in_w, other=0)
+                buf = tl.load(buffer_ptr + b * W + w, mask=in_w, other=0)
                 new += tl.sum(_popcount64(tile & ~buf[None, :]), axis=1)
         key = s / (token_cost + expert_cost * new.to(tl.float64))
         key = tl.where(cand, key, float("-inf"))
@@ -196,6 +193,16 @@ def _greedy_kernel(
         cu = cu + tl.sum(tl.where(pick, s, 0.0), axis=0)
         u = u + tl.sum(tl.where(pick, new, 0), axis=0)
         n_sel = n_sel + has.to(tl.int64)
+        if MARGINAL:  # B |= node(v): the buffer lives in the workspace row of this request
+            v_safe = tl.where(has, v, 0).to(tl.int64)
+            w_lim = tl.where(has, W, 0)  # no pick: nothing to add
+            for c in range(0, W, WB):
+                w = c + offs_w
+                in_w = w < w_lim
+                buf = tl.load(buffer_ptr + b * W + w, mask=in_w, other=0)
+                buf = buf | tl.load(bits_ptr + (b * N + v_safe) * W + w, mask=in_w, other=0)
+                tl.store(buffer_ptr + b * W + w, buf, mask=in_w)
+            tl.debug_barrier()
         if JOINT:
             cost_j = (c0 + c_tok * n_sel.to(tl.float64)) + c_exp * u.to(tl.float64)
             util = (1.0 + cu) / cost_j
@@ -226,12 +233,15 @@ def _pow2(n: int) -> int:
 def select_tree_triton(
     scores: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
     node_bits: torch.Tensor, root_bits: torch.Tensor, cost_table: torch.Tensor,
-    mode: Mode, budget: int, c0: float, c_tok: float, c_exp: float, eps: float,
+    mode: Mode, budget: int, c0: float, c_tok: float, c_exp: float, eps: float, word_chunk: int = WORD_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernels (inputs already checked by spec.check_inputs); returns the op's 4 outputs.
 
+    word_chunk: int64 words per tile step (a power of two; tests vary it to cover the chunk loop).
     Allocates only outputs and never syncs, so it can run under CUDA graph capture.
     """
+    if word_chunk < 1 or word_chunk & (word_chunk - 1):
+        raise ValueError(f"word_chunk must be a power of two, got {word_chunk}")
     B, N = scores.shape
     W = node_bits.shape[2]
     dev = scores.device
@@ -253,11 +263,12 @@ def select_tree_triton(
     g = greedy_costs(mode, c_tok, c_exp, eps)
     bits = node_bits.contiguous()
     root = root_bits.contiguous()
+    buffer = torch.empty(B, max(W, 1), dtype=torch.int64, device=dev)  # expert buffer B per request
     _greedy_kernel[(B,)](
-        scores, parents, valid, depth, bits, root, node_idx, count, expected, cost,
+        scores, parents, valid, depth, bits, root, buffer, node_idx, count, expected, cost,
         N, W, min(budget, N), budget,
         float_bits(g.token_cost), float_bits(g.expert_cost), float_bits(c0), float_bits(c_tok), float_bits(c_exp),
-        NB=NB, WB=min(WORD_CHUNK, _pow2(W)), MB=MB, MARGINAL=g.marginal, USE_ROOT=g.use_root,
+        NB=NB, WB=min(word_chunk, _pow2(W)), MB=MB, MARGINAL=g.marginal, USE_ROOT=g.use_root,
         JOINT=mode == Mode.JOINT, num_warps=4, enable_fp_fusion=False,
     )
     return node_idx, count, expected, cost
