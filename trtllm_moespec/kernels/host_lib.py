@@ -64,22 +64,35 @@ class HostTreeSelect:
         num_lanes: int = 1,
     ) -> Selection:
         """Same contract as the op (CPU tensors; scores are passed as float32)."""
+        call, out = self.bind(scores, parents, valid, depth, node_bits, root_bits, cost_table, mode, budget, c0, c_tok,
+                              c_exp, eps, num_lanes)
+        status = call()
+        if status != 0:
+            raise ValueError(f"moespec_tree_select_host failed: {_STATUS.get(status, status)}")
+        return out
+
+    def bind(
+        self, scores: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
+        node_bits: torch.Tensor, root_bits: torch.Tensor, cost_table: torch.Tensor,
+        mode: str | int, budget: int, c0: float = 0.0, c_tok: float = 0.0, c_exp: float = 0.0, eps: float = 1e-3,
+        num_lanes: int = 1,
+    ):
+        """Check and convert once; returns (call() -> status, Selection that each call overwrites)."""
         m = parse_mode(mode)
         shapes = check_inputs(scores, parents, valid, depth, node_bits, root_bits, cost_table, m, budget, c0, c_tok,
                               c_exp, eps)
         B, N, W = shapes.batch_size, shapes.num_nodes, shapes.num_words
-        s = scores.float().contiguous()
-        par, dep = parents.long().contiguous(), depth.long().contiguous()
-        val = valid.to(torch.uint8).contiguous()
-        bits, root = node_bits.contiguous(), root_bits.contiguous()
-        table = cost_table.double().contiguous() if cost_table.numel() else torch.zeros(1, dtype=torch.float64)
-        idx = torch.empty(B, budget, dtype=torch.int64)
-        count = torch.empty(B, dtype=torch.int64)
-        expected = torch.empty(B, dtype=torch.float64)
-        cost = torch.empty(B, dtype=torch.float64)
-        status = self._fn(B, N, W, _ptr(s), _ptr(par), _ptr(val), _ptr(dep), _ptr(bits), _ptr(root), _ptr(table),
-                          cost_table.shape[0], int(m), budget, c0, c_tok, c_exp, eps, num_lanes,
-                          _ptr(idx), _ptr(count), _ptr(expected), _ptr(cost))
-        if status != 0:
-            raise ValueError(f"moespec_tree_select_host failed: {_STATUS.get(status, status)}")
-        return Selection(idx, count, expected, cost)
+        keep = [scores.float().contiguous(), parents.long().contiguous(), valid.to(torch.uint8).contiguous(),
+                depth.long().contiguous(), node_bits.contiguous(), root_bits.contiguous(),
+                cost_table.double().contiguous() if cost_table.numel() else torch.zeros(1, dtype=torch.float64)]
+        out = Selection(torch.empty(B, budget, dtype=torch.int64), torch.empty(B, dtype=torch.int64),
+                        torch.empty(B, dtype=torch.float64), torch.empty(B, dtype=torch.float64))
+        args = (B, N, W, *map(_ptr, keep), cost_table.shape[0], int(m), budget, c0, c_tok, c_exp, eps, num_lanes,
+                *map(_ptr, (out.node_idx, out.num_selected, out.expected_tokens, out.predicted_cost)))
+        fn = self._fn
+
+        def call() -> int:
+            _ = keep  # the converted inputs stay alive as long as the call does
+            return fn(*args)
+
+        return call, out
