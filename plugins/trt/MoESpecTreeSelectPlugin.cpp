@@ -190,7 +190,9 @@ class MoESpecTreeSelectCreator : public IPluginCreatorV3One {
 
 }  // namespace
 
-// Entry point TensorRT looks up when a plugin library is loaded (IPluginRegistry::loadLibrary).
+// Entry points TensorRT looks up when a plugin library is loaded (IPluginRegistry::loadLibrary).
+extern "C" TENSORRTAPI void setLoggerFinder(ILoggerFinder*) {}  // the plugin logs nothing
+
 extern "C" TENSORRTAPI IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
   static MoESpecTreeSelectCreator creator;
   static IPluginCreatorInterface* const creators[] = {&creator};

@@ -124,3 +124,9 @@ def test_python_plugin_import_is_lazy():
     # Importing the package works without TensorRT-LLM; only loading the plugin class needs it.
     with pytest.raises(ImportError):
         load_python_plugin()
+
+
+def test_python_plugin_source_compiles():
+    # plugin.py cannot be imported here (no TensorRT-LLM); at least it must be valid Python.
+    src = ROOT / "trtllm_moespec" / "backends" / "trt_plugin" / "plugin.py"
+    compile(src.read_text(), str(src), "exec")
