@@ -50,7 +50,12 @@ def cmd_target(args: argparse.Namespace) -> None:
     from trtllm_moespec.training.target import TargetShape
     from trtllm_moespec.training.train_target import TrainConfig, train_target
 
-    cfg = TrainConfig(minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr, seed=args.seed)
+    cfg = TrainConfig(
+        minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr, seed=args.seed,
+        extend_minutes=args.extend_minutes, extend_peak_lr=args.extend_lr,
+    )
+    if args.extend_minutes > 0 and not args.resume:
+        raise SystemExit("--extend-minutes needs --resume")
     shape = TargetShape(router_aux_loss_coef=args.aux_coef)
     final = train_target(args.data, args.out, shape, cfg, resume=args.resume)
     print(f"target: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s")
@@ -81,7 +86,7 @@ def cmd_export_predictor(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from trtllm_moespec.training.report import build_report
 
-    build_report(args.target, args.predictor, args.data, args.out)
+    build_report(args.target, args.predictor, args.data, args.out, args.max_windows, args.reps)
 
 
 def _dir_mb(path: Path) -> float:
@@ -107,6 +112,8 @@ def main() -> None:
     p.add_argument("--aux-coef", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt with its schedule")
+    p.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: append a new cosine segment")
+    p.add_argument("--extend-lr", type=float, default=1e-3, help="starting lr of the appended segment")
     p.set_defaults(fn=cmd_target)
     p = sub.add_parser("export-target", help="write the fp16 target + tokenizer into the package assets")
     p.add_argument("--run", type=Path, default=Path("runs/tiny/target"))
@@ -131,6 +138,8 @@ def main() -> None:
     p.add_argument("--predictor", type=Path, default=ASSET_DIR / "predictor")
     p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
     p.add_argument("--out", type=Path, default=Path("runs/tiny/report.json"))
+    p.add_argument("--max-windows", type=int, default=None, help="limit the held-out 512-token windows (default: all)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per k and offset")
     p.set_defaults(fn=cmd_report)
     args = parser.parse_args()
     torch.set_num_threads(args.threads if hasattr(args, "threads") else 2)

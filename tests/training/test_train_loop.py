@@ -56,3 +56,14 @@ def test_predictor_loss_uniform_target() -> None:
     assert predictor_loss(perfect, topk).item() == pytest.approx(math.log(2), abs=1e-6)
     flat = torch.zeros(1, 1, 4)
     assert predictor_loss(flat, topk).item() == pytest.approx(math.log(4))
+
+
+def test_extended_segment_schedule() -> None:
+    from trtllm_moespec.training.train_target import TrainConfig, lr_at
+
+    cfg = TrainConfig(peak_lr=3e-3, warmup_steps=10, min_lr_ratio=0.1)
+    first = Progress(step=500, planned_s=100.0, tokens_seen=0, elapsed_s=100.0, best_heldout_loss=3.0)
+    assert lr_at(500, 100.0, first, cfg) == pytest.approx(3e-4)  # end of the first cosine
+    extended = Progress(500, 160.0, 0, 100.0, 3.0, segment_start_s=100.0, segment_peak_lr=1e-3)
+    assert lr_at(500, 100.0, extended, cfg) == pytest.approx(1e-3)
+    assert lr_at(600, 130.0, extended, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))

@@ -25,6 +25,8 @@ class Progress:
     tokens_seen: int
     elapsed_s: float  # training wall time over all sessions
     best_heldout_loss: float
+    segment_start_s: float = 0.0  # elapsed_s where the current cosine segment began (> 0 after --extend-minutes)
+    segment_peak_lr: float = 0.0  # peak lr of the current segment; 0 = the run's peak lr
 
 
 def _state_dict_untied(module: torch.nn.Module) -> dict[str, torch.Tensor]:

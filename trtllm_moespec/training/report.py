@@ -65,12 +65,12 @@ def _mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Path) -> dict:
+def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Path, max_windows: int | None = None, reps: int = 7) -> dict:
     streams = load_streams(data_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     cfg = model.config
     start = time.time()
-    loss, topk = heldout_pass(model, contiguous_windows(streams.heldout, 512))
+    loss, topk = heldout_pass(model, contiguous_windows(streams.heldout, 512, max_windows))
     util = utilisation(topk, cfg.num_experts)
     report = {
         "target_params": num_parameters(model),
@@ -78,7 +78,7 @@ def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Pat
         "heldout_tokens": int(topk.shape[0] * topk.shape[1]),
         "heldout_loss": loss,
         "heldout_ppl": math.exp(loss),
-        "heldout_bits_per_byte": loss * topk.shape[0] * topk.shape[1] / math.log(2) / streams.num_heldout_bytes,
+        "heldout_bits_per_byte": loss / math.log(2) * len(streams.heldout) / streams.num_heldout_bytes,
         "entropy_bits_per_layer": util.entropy_bits.tolist(),
         "max_entropy_bits": max_entropy_bits(cfg.num_experts),
         "frac_experts_below_1pct_per_layer": util.frac_below_1pct.tolist(),
@@ -86,7 +86,7 @@ def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Pat
     }
     for impl in ("grouped_mm", "eager"):
         model.set_experts_implementation(impl)
-        curve = measure_cost_curve(model, streams.heldout)
+        curve = measure_cost_curve(model, streams.heldout, reps=reps)
         report[f"cost_curve_{impl}"] = [asdict(p) for p in curve]
         print(f"C(k) with {impl} experts (fp32, {torch.get_num_threads()} threads, 200-token KV prefix):\n{format_curve(curve)}")
     if (predictor_dir / "config.json").is_file():
@@ -94,7 +94,7 @@ def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Pat
         predictor.check_target(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size)
         S = predictor.config.max_seq_len
         W = topk.shape[0] * topk.shape[1] // S
-        ids = contiguous_windows(streams.heldout, 512)[:, :-1].reshape(-1)[: W * S].view(W, S)
+        ids = contiguous_windows(streams.heldout, 512, max_windows)[:, :-1].reshape(-1)[: W * S].view(W, S)
         traces = RoutingTraces(ids, topk.reshape(-1, *topk.shape[2:])[: W * S].view(W, S, *topk.shape[2:]))
         p_loss, p_acc = evaluate(predictor, traces)
         report |= {

@@ -6,7 +6,9 @@ Switch load-balancing loss (transformers' ``load_balancing_loss_func``, returned
 training wall time (``planned_s`` = ``--minutes`` of the first launch, stored in
 the checkpoint), not over a step count: the machine is shared and its throughput
 varies several-fold, so a step count calibrated at launch would end the run far
-too early or too late. ``--resume`` continues the same schedule where it stopped.
+too early or too late. ``--resume`` continues the same schedule where it stopped;
+``--resume --extend-minutes M`` appends a new cosine segment of M minutes that
+starts at ``extend_peak_lr`` (no warmup), to keep training a finished run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,8 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    extend_minutes: float = 0.0  # with resume: length of a new cosine segment
+    extend_peak_lr: float = 1e-3  # its starting lr
     eval_every_s: float = 300.0
     ckpt_every_s: float = 300.0
     eval_windows: int = 16  # held-out windows per periodic evaluation
@@ -49,9 +53,11 @@ class TrainConfig:
     seed: int = 0
 
 
-def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
-    """Linear warmup over steps, then cosine over the elapsed fraction ``frac`` of the planned time."""
-    return cosine_lr(step, frac, cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
+def lr_at(step: int, elapsed_s: float, progress: Progress, cfg: TrainConfig) -> float:
+    """Linear warmup over steps, then cosine over the elapsed fraction of the current segment."""
+    length = max(progress.planned_s - progress.segment_start_s, 1e-9)
+    frac = (elapsed_s - progress.segment_start_s) / length
+    return cosine_lr(step, frac, progress.segment_peak_lr or cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -91,7 +97,8 @@ def heldout_loss(model: Qwen3MoeForCausalLM, stream: np.ndarray, seq_len: int, m
 
 
 def _progress(start: Progress, step: int, planned: float, tokens: int, session_start: float, best: float) -> Progress:
-    return Progress(step, planned, tokens, start.elapsed_s + time.time() - session_start, best)
+    elapsed = start.elapsed_s + time.time() - session_start
+    return replace(start, step=step, planned_s=planned, tokens_seen=tokens, elapsed_s=elapsed, best_heldout_loss=best)
 
 
 def _setup_logging(out_dir: Path) -> logging.Logger:
@@ -114,6 +121,8 @@ def train_target(data_dir: Path, out_dir: Path, shape: TargetShape, cfg: TrainCo
     optimizer = make_optimizer(model, cfg)
     if resume:
         progress = load_checkpoint(out_dir, model, optimizer)
+        if cfg.extend_minutes > 0:
+            progress = replace(progress, segment_start_s=progress.elapsed_s, planned_s=progress.elapsed_s + cfg.extend_minutes * 60, segment_peak_lr=cfg.extend_peak_lr)
         log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s")
     else:
         progress = Progress(step=0, planned_s=cfg.minutes * 60, tokens_seen=0, elapsed_s=0.0, best_heldout_loss=float("inf"))
@@ -128,7 +137,7 @@ def train_target(data_dir: Path, out_dir: Path, shape: TargetShape, cfg: TrainCo
     elapsed = progress.elapsed_s
     while elapsed < planned and time.time() < deadline:
         batch = random_windows(streams.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
-        lr = lr_at(step, elapsed / planned, cfg)
+        lr = lr_at(step, elapsed, progress, cfg)
         lm_loss, aux = train_step(model, optimizer, batch, lr, cfg)
         step, tokens = step + 1, tokens + batch[:, 1:].numel()
         new_elapsed = progress.elapsed_s + time.time() - session_start
