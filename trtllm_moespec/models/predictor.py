@@ -194,6 +194,15 @@ class ExpertPredictor:
         model.load_state_dict({k: v.float() for k, v in state.items()})
         return ExpertPredictor(model)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.router_head.weight.device
+
+    def to(self, device: torch.device | str) -> "ExpertPredictor":
+        """Move the weights (in place) and return self; predictions come back on ``device``."""
+        self.model.to(device)
+        return self
+
     def save(self, directory: str | Path, dtype: torch.dtype = torch.float16) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -224,8 +233,8 @@ class ExpertPredictor:
         """Predicted top-K experts of every token of ids [T]: [T, L, K] int64 (sorted ids)."""
         if ids.dim() != 1 or not 1 <= ids.shape[0] <= self.config.max_seq_len:
             raise ValueError(f"predict_sequence takes a 1-D sequence of 1..{self.config.max_seq_len} tokens, got shape {tuple(ids.shape)}")
-        T = ids.shape[0]
-        logits = self.model(ids.long()[None], torch.arange(T)[None], causal_mask(T))
+        T, dev = ids.shape[0], self.device
+        logits = self.model(ids.long().to(dev)[None], torch.arange(T, device=dev)[None], causal_mask(T, dev))
         return self._topk(logits[0])
 
     @torch.no_grad()
@@ -233,8 +242,9 @@ class ExpertPredictor:
         """Predicted experts of the tree nodes and of the root.
 
         context_ids [C] int64: committed tokens, the last one is the root.
-        Returns (node_topk [N, L, K] int64, root_topk [L, K] int64). Padded nodes
-        are run as children of the root; their rows are meaningless.
+        Returns (node_topk [N, L, K] int64, root_topk [L, K] int64) on the
+        predictor's device. Padded nodes are run as children of the root; their
+        rows are meaningless. The masks are built on the CPU (N is small).
         """
         if context_ids.dim() != 1 or context_ids.shape[0] < 1:
             raise ValueError(f"context_ids must be a non-empty 1-D tensor, got shape {tuple(context_ids.shape)}")
@@ -245,7 +255,8 @@ class ExpertPredictor:
         parents = torch.where(valid, tree.parents[batch_index].cpu(), -1)
         depth = torch.where(valid, tree.depth[batch_index].cpu(), 1)
         ids, positions, mask = tree_inputs(context, parents, depth, tree.token_ids[batch_index].cpu())
-        topk = self._topk(self.model(ids, positions, mask)[0])
+        dev = self.device
+        topk = self._topk(self.model(ids.to(dev), positions.to(dev), mask.to(dev))[0])
         C = context.shape[0]
         return topk[C:], topk[C - 1]
 

@@ -1,0 +1,52 @@
+"""The shipped moespec-tiny artefacts: plain transformers loading, predictor/target
+agreement and the 48 MB package budget (target + eagle3 + predictor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trtllm_moespec.models.predictor import ExpertPredictor
+
+ASSETS = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"
+TARGET, PREDICTOR = ASSETS / "target", ASSETS / "predictor"
+BUDGET_MB = 48.0
+
+
+def _mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+@pytest.mark.skipif(not (TARGET / "config.json").is_file(), reason="shipped target not exported yet")
+def test_target_loads_with_plain_transformers() -> None:
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.config.vocab_size == len(tok) and model.config.eos_token_id == tok.eos_token_id
+    ids = tok("import os\nimport sys\n\n\ndef main():\n", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    # a trained model, not random weights: after "import " the next token is far from uniform
+    assert logits[0, -1].softmax(-1).max().item() > 0.05
+
+
+@pytest.mark.skipif(not (PREDICTOR / "config.json").is_file(), reason="shipped predictor not exported yet")
+def test_predictor_matches_shipped_target() -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(TARGET)
+    predictor = ExpertPredictor.load(PREDICTOR)
+    predictor.check_target(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size)
+    out = predictor.predict_sequence(torch.arange(16))
+    assert out.shape == (16, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+
+
+@pytest.mark.skipif(not ASSETS.is_dir(), reason="no shipped assets yet")
+def test_shipped_sizes_within_budget() -> None:
+    dirs = [ASSETS / name for name in ("target", "eagle3", "predictor") if (ASSETS / name).is_dir()]
+    total = sum(_mb(d) for d in dirs)
+    assert total <= BUDGET_MB, f"shipped moespec-tiny dirs take {total:.1f} MB > {BUDGET_MB} MB: {[(d.name, round(_mb(d), 1)) for d in dirs]}"
