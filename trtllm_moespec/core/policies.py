@@ -28,7 +28,7 @@ import torch
 
 from .cost import CostTable, ExpertCostModel
 from .experts import ExpertSets
-from .select import evict_select, greedy_expert_select, joint_prefix, path_bits
+from .select import evict_select, greedy_expert_select, joint_prefix, joint_token_cost, path_bits
 from .tree import DraftTree, gather_nodes, score_order, top_k_nodes
 
 
@@ -185,9 +185,7 @@ class JointPolicy(SelectionPolicy):
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
         m = self.cost_model
         traj = _trajectories(tree, experts, self.name)
-        # A node that wakes no new expert still costs a token's compute: keep the
-        # token cost strictly positive so "free" nodes are ranked by score, not 0/0.
-        token_cost = max(m.c_tok, 1e-6 * max(m.c_exp, 1e-12), 1e-15)
+        token_cost = joint_token_cost(m.c_tok, m.c_exp)
         greedy = greedy_expert_select(
             tree.scores, tree.parents, tree.valid, traj, root_experts, self.budget, token_cost, m.c_exp
         )

@@ -148,6 +148,12 @@ def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, m
     return n, uniq
 
 
+def joint_token_cost(c_tok: float, c_exp: float) -> float:
+    """The joint greedy's token cost: c_tok kept strictly positive, so a node that wakes
+    no new expert is ranked by its score instead of by 0/0 or a division by zero."""
+    return max(c_tok, 1e-6 * max(c_exp, 1e-12), 1e-15)
+
+
 def joint_prefix(
     greedy: GreedyOrder, c0: float, c_tok: float, c_exp: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -220,3 +220,12 @@ def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:
     if order.shape[1] < k:
         order = torch.cat([order, order.new_full((tree.batch_size, k - order.shape[1]), -1)], 1)
     return order
+
+
+def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """Drop nodes deeper than max_depth (marks them padded); the rest stays parent-closed."""
+    keep = tree.valid & (tree.depth <= max_depth)
+    if bool(keep.equal(tree.valid)):
+        return tree
+    return DraftTree(tree.token_ids, torch.where(keep, tree.parents, -1), torch.where(keep, tree.depth, 0),
+                     tree.draft_probs, torch.where(keep, tree.log_scores, _NEG_INF), keep)

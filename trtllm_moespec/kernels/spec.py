@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ..core.select import joint_token_cost  # noqa: F401  (re-exported)
 
 
 class Mode(enum.IntEnum):
@@ -60,11 +61,6 @@ def parse_mode(mode: str | int) -> Mode:
         return Mode(int(mode))
     except ValueError:
         raise ValueError(f"unknown select_tree mode id {mode!r}; choose one of {[int(m) for m in Mode]}") from None
-
-
-def joint_token_cost(c_tok: float, c_exp: float) -> float:
-    """The joint policy's greedy token cost: c_tok kept strictly positive (see JointPolicy)."""
-    return max(c_tok, 1e-6 * max(c_exp, 1e-12), 1e-15)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,28 @@
+"""Tiny random Qwen3-MoE and GPT-OSS checkpoints with random EAGLE-3 drafters and cost profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.models.conftest import build_hf, gpt_oss_config, qwen3_moe_config
+from trtllm_moespec.core import CostTable, ExpertCostModel
+from trtllm_moespec.models.eagle3 import write_random_drafter
+
+
+def make_checkpoint(root, name: str):
+    """Write target, drafter and a cost profile for tree (4, 8, 32); returns (target_dir, draft_dir)."""
+    config = qwen3_moe_config() if name == "qwen3_moe" else gpt_oss_config()
+    model = build_hf(config)
+    target = root / name
+    model.save_pretrained(str(target))
+    draft = write_random_drafter(model.config, root / f"{name}_eagle3", seed=0)
+    CostTable(tuple(0.010 + 0.0004 * k for k in range(33)), model_id=name, device="cpu", dtype="float32",
+              tree=(4, 8, 32), method="synthetic (tests)",
+              expert_model=ExpertCostModel(0.010, 0.0002, 0.0001)).save(target / "cost_profile.json")
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_models")
+    return {name: make_checkpoint(root, name) for name in ("qwen3_moe", "gpt_oss")}

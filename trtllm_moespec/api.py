@@ -1,0 +1,259 @@
+"""The public Python API: `LLM(...).generate(...)`, `SamplingParams`, `TreeConfig`.
+
+    from trtllm_moespec import LLM, SamplingParams, TreeConfig
+    llm = LLM(model="moespec-tiny", policy="joint")
+    out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=64))[0]
+    print(out.text, out.stats.summary())
+
+Everything a policy needs (drafter, cost profile, expert predictor) is resolved and
+checked here, before any long work, with errors that say how to fix the problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .core.cost import CostTable
+from .core.policies import POLICIES, SelectionPolicy, make_policy
+from .core.sampling import SamplingConfig
+from .engine.config import TreeConfig
+from .engine.engine import Request, SpecEngine
+from .engine.stats import GenerationStats
+from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, resolve_model
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
+
+METHODS = tuple(sorted(set(POLICIES) | {"ddd"}))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample (validated on construction)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request generator seed; None = nondeterministic
+    stop: tuple[str, ...] | str | None = None  # stop strings (excluded from the output)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop and any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        self.config()  # validates temperature / top_k / top_p
+
+    def config(self) -> SamplingConfig:
+        return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str  # "" when the model has no tokenizer
+    finish_reason: str  # "length" | "stop"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One streamed chunk; `output` is set on the last event only."""
+
+    token_ids: list[int]
+    text: str
+    output: RequestOutput | None = None
+
+
+class LLM:
+    """A target MoE model with a drafter and a selection policy."""
+
+    def __init__(
+        self,
+        model: str = "moespec-tiny",
+        draft_model: str | None = None,
+        policy: str = "joint",
+        tree: TreeConfig = TreeConfig(),
+        device: str = "cpu",
+        dtype: str = "float32",
+        cost_profile: str | Path | CostTable | None = None,
+        predictor: str | Path | None = None,
+        drafter: str = "eagle3",
+        policy_options: dict | None = None,
+        ddd_threshold: float | None = None,
+        override_profile: bool = False,
+    ):
+        if policy not in METHODS:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
+        if drafter not in ("eagle3", "ngram"):
+            raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {drafter!r}")
+        if not isinstance(tree, TreeConfig):
+            raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        self.policy_name, self.tree, self.device, self.dtype = policy, tree, torch.device(device), dtype
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        # Cheap checks first: a missing profile or drafter fails before any weights load.
+        needs = POLICIES.get(policy, POLICIES["eagle3"])
+        profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
+                                    override_profile)
+        if needs.drafts and drafter == "eagle3" and self.paths.draft is None:
+            raise ValueError(f"policy {policy!r} drafts with EAGLE-3 but no draft model was given: pass "
+                             "draft_model=DIR (SpecForge format) or drafter='ngram'")
+        if needs.needs_experts and self.paths.predictor is None and predictor != "oracle":
+            raise ValueError(f"policy {policy!r} needs an expert predictor: pass predictor=DIR, or predictor='oracle' "
+                             "(analysis only: a target forward per step)")
+
+        from .engine.drafters import Eagle3Source, NgramSource
+        from .models.target import TargetModel
+
+        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
+        self.tokenizer = _load_tokenizer(self.paths.target)
+        self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
+        source = None
+        if needs.drafts and drafter == "eagle3":
+            from .models.eagle3 import load_eagle3
+
+            source = Eagle3Source(load_eagle3(self.paths.draft, target=self.target), tree.steps, tree.topk,
+                                  ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None))
+        elif needs.drafts:
+            from .models.ngram import NgramConfig, NgramDrafter
+
+            source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
+        predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
+        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (str or token-id list); one request at a time."""
+        params = sampling_params or SamplingParams()
+        batch = self._as_batch(prompts)
+        outputs = []
+        for ids in tqdm(batch, desc="generate", disable=not use_tqdm):
+            events = list(self._events(ids, params))
+            outputs.append(events[-1].output)
+        return outputs
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamEvent]:
+        """Yield text as tokens are committed; the last event carries the RequestOutput."""
+        batch = self._as_batch([prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt)
+        if len(batch) != 1:
+            raise ValueError("stream() takes one prompt")
+        yield from self._events(batch[0], sampling_params or SamplingParams())
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Apply the tokenizer's chat template, then generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.paths.target} has no chat template; use generate() with plain prompts")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return self.generate([list(ids)], sampling_params)[0]
+
+    # ------------------------------------------------------------------ helpers
+    def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        request = self._request(ids, params)
+        sent_text = ""
+        for new in self.engine.run(request):
+            text = self._decode(request.output_ids)
+            delta, sent_text = text[len(sent_text):], text
+            yield StreamEvent(list(new), delta)
+        out = RequestOutput(list(ids), list(request.output_ids), self._decode(request.output_ids),
+                            request.finish_reason or "length", request.stats())
+        yield StreamEvent([], "", out)
+
+    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+        limit = self.target.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the model's "
+                             f"context of {limit} tokens")
+        if min(ids) < 0 or max(ids) >= self.target.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
+        stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
+        return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params))
+
+    def _stop_check(self, params: SamplingParams):
+        if not params.stop:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+        def check(output_ids: list[int]) -> int | None:
+            if not any(s in self._decode(output_ids) for s in params.stop):
+                return None
+            n = len(output_ids)
+            while n > 0 and any(s in self._decode(output_ids[:n]) for s in params.stop):
+                n -= 1
+            return n
+
+        return check
+
+    def _as_batch(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or _is_ids(prompts):
+            prompts = [prompts]
+        batch = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+                p = self.tokenizer.encode(p, add_special_tokens=False)
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError("empty prompt: give at least one token")
+            batch.append(p)
+        if not batch:
+            raise ValueError("no prompts given")
+        return batch
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+def _build_policy(name: str, tree: TreeConfig, profile: CostTable | None, options: dict) -> SelectionPolicy:
+    """Policy with defaults derived from the tree config and the cost profile."""
+    opts = dict(options)
+    if name in ("eagle3", "ddd", "coverage", "joint", "evict"):
+        opts.setdefault("budget", tree.max_draft_tokens)
+    if name == "evict" or (name == "oracle" and profile is not None):
+        opts.setdefault("cost_table", profile)
+    if name == "joint":
+        if profile is None or profile.expert_model is None:
+            raise ValueError("policy 'joint' needs a cost profile with an expert cost fit; run `moespec profile`")
+        opts.setdefault("cost_model", profile.expert_model)
+    return make_policy("eagle3" if name == "ddd" else name, **opts)
+
+
+def _device_selector(device: torch.device):
+    """On CUDA, selection runs as the moespec::select_tree device op (no host sync inside)."""
+    if device.type != "cuda":
+        return None
+    from .kernels.select_policy import select_on_device
+
+    return select_on_device

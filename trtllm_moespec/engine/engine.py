@@ -1,0 +1,194 @@
+"""The speculative decode loop, one request at a time:
+
+    prefill -> [ draft -> (predict experts) -> select -> verify -> commit ] * until done
+
+`policy="ar"` runs the same loop with an empty tree, so plain decoding and every
+policy share one code path (and one sampling rule). Everything a step needs is
+passed explicitly; the only mutable state is the per-request caches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..core.experts import ExpertSets, popcount
+from ..core.layout import TreeLayout, build_layout
+from ..core.policies import Selection, SelectionPolicy
+from ..core.sampling import SamplingConfig, target_probs
+from ..core.tree import DraftTree, limit_depth
+from ..core.verify import VerifyResult, verify_tree
+from ..models.target import TargetModel, TargetOutput
+from .config import TreeConfig
+from .drafters import Draft, NoDraft
+from .stats import GenerationStats, StepStats
+
+
+@dataclass
+class Request:
+    """One generation request and its running output."""
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    max_tokens: int
+    generator: torch.Generator | None
+    stop_ids: frozenset[int] = frozenset()
+    stop_check: Callable[[list[int]], int | None] | None = None  # returns a cut length when a stop string is hit
+    output_ids: list[int] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    finish_reason: str | None = None
+    prefill_ms: float = 0.0
+
+    def stats(self) -> GenerationStats:
+        return GenerationStats.from_steps(self.steps, len(self.output_ids), self.prefill_ms)
+
+
+class SpecEngine:
+    """Runs requests through draft -> select -> verify -> commit on one target."""
+
+    def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
+                 predictor=None, selector: Callable | None = None):
+        self.target = target
+        self.policy = policy
+        self.tree = tree
+        self.draft_source = draft_source if (draft_source is not None and policy.drafts) else NoDraft()
+        self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
+        self.selector = selector  # optional device op replacing policy.select (same contract)
+
+    # ------------------------------------------------------------------ public
+    def run(self, request: Request) -> Iterator[list[int]]:
+        """Generate for one request, yielding each step's newly committed tokens."""
+        device = self.target.device
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=device)
+        cache = self.target.new_cache()
+        t0 = time.perf_counter()
+        prefill = self.target.prefill(cache, prompt)
+        root = self._first_token(prefill, request)
+        state = self.draft_source.start(prompt, prefill, root)
+        request.prefill_ms = (time.perf_counter() - t0) * 1e3
+        if self._append(request, [root]):
+            yield request.output_ids[-1:]
+            return
+        yield [root]
+        while True:
+            before = len(request.output_ids)
+            done = self._step(request, cache, state)
+            yield request.output_ids[before:]
+            if done:
+                return
+
+    # ------------------------------------------------------------------ stages
+    def _first_token(self, prefill: TargetOutput, request: Request) -> int:
+        """Sample the first token from the prefill logits with the same rule (an empty tree)."""
+        layout = build_layout(DraftTree.empty(1, prefill.logits.device), torch.zeros(1, 0, dtype=torch.int64),
+                              torch.zeros(1, dtype=torch.int64))
+        result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
+        return int(result.emitted_ids[0, 0])
+
+    def _step(self, request: Request, cache, state) -> bool:
+        t_step = time.perf_counter()
+        context = request.prompt_ids + request.output_ids
+        root = context[-1]
+        device = self.target.device
+
+        t0 = time.perf_counter()
+        draft = self.draft_source.draft(state, context, device)
+        remaining = request.max_tokens - len(request.output_ids)
+        tree = limit_depth(draft.tree, remaining - 1)  # deeper nodes could never be emitted
+        t_draft = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        experts, root_bits = self._predict(context, tree, draft, cache)
+        t_pred = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
+        selection = self._select(tree, experts, root_bits, target_scores)
+        layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
+        t_select = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        out = self.target.verify(cache, layout)
+        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        t_verify = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.target.commit(cache, result.accepted_pos[0])
+        self.draft_source.commit(state, result, out)
+        t_commit = time.perf_counter() - t0
+
+        emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
+        done = self._append(request, emitted)
+        hits, checked = _predictor_hits(experts, out, layout, result)
+        request.steps.append(StepStats(
+            verified_tokens=int(layout.num_nodes[0]), accepted_tokens=int(result.num_accepted[0]),
+            committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
+            draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
+            commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
+            predictor_hits=hits, predictor_total=checked,
+        ))
+        return done
+
+    def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
+        if self.predictor is None or not self.policy.needs_experts:
+            return None, None
+        return self.predictor.predict(context, tree, draft, cache)
+
+    def _select(self, tree, experts, root_bits, target_scores) -> Selection:
+        if self.selector is not None:
+            return self.selector(self.policy, tree, experts, root_bits)
+        return self.policy.select(tree, experts=experts, root_experts=root_bits, target_scores=target_scores)
+
+    def _oracle_scores(self, cache, tree: DraftTree, root: int, request: Request) -> torch.Tensor:
+        """Analysis only: the target's probability of each node given its path (one extra forward)."""
+        order = torch.arange(tree.num_nodes, device=tree.token_ids.device)[None]
+        full = build_layout(tree, torch.where(tree.valid, order, -1), torch.tensor([root], device=order.device))
+        out = self.target.verify(cache, full)
+        self.target.discard(cache)
+        probs = target_probs(out.logits[0], request.sampling)  # [1+N, V]
+        parent_pos = full.parent_pos[0].clamp(min=0)
+        local = probs[parent_pos, full.token_ids[0]][1:]
+        return torch.where(tree.valid[0], local, 0.0)[None]
+
+    def _append(self, request: Request, tokens: list[int]) -> bool:
+        """Add committed tokens, applying eos, stop strings and max_tokens; True when finished."""
+        for tok in tokens:
+            request.output_ids.append(tok)
+            if tok in request.stop_ids:
+                request.finish_reason = "stop"
+                return True
+            if len(request.output_ids) >= request.max_tokens:
+                request.finish_reason = "length"
+                return True
+        if request.stop_check is not None:
+            cut = request.stop_check(request.output_ids)
+            if cut is not None:
+                del request.output_ids[cut:]
+                request.finish_reason = "stop"
+                return True
+        return False
+
+
+def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
+    """Mean over MoE layers of distinct experts woken by the verified tokens."""
+    ids = out.expert_ids[0]  # [T, L, topk]
+    L = ids.shape[1]
+    onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
+    onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
+    return float(onehot.sum(1).float().mean())
+
+
+def _predictor_hits(experts: ExpertSets | None, out: TargetOutput, layout: TreeLayout,
+                    result: VerifyResult) -> tuple[int, int]:
+    """Predicted (layer, expert) pairs of accepted nodes that the target really used."""
+    n = int(result.num_accepted[0])
+    if experts is None or n == 0:
+        return 0, 0
+    pos = result.accepted_pos[0, :n]
+    nodes = layout.node_idx[0, pos - 1]
+    predicted = experts.bits[0, nodes]  # [n, W]
+    actual = ExpertSets.from_topk_ids(out.expert_ids[:, pos], experts.num_experts).bits[0]
+    return int(popcount(predicted & actual).sum()), int(popcount(predicted).sum())

@@ -1,0 +1,40 @@
+"""Expert-set sources for the expert-aware policies (EcoSpec, joint).
+
+- `LearnedExperts`: the trained expert predictor (one small forward per step).
+- `OracleExperts`: analysis only — the target's true routing of every drafted node,
+  from an extra target forward that is discarded afterwards.
+Both return per-node ExpertSets [1, N, W] and the root's set [1, W].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.experts import ExpertSets, pack_expert_ids
+from ..core.layout import build_layout
+from ..core.tree import DraftTree
+
+
+class LearnedExperts:
+    def __init__(self, predictor, num_experts: int):
+        self.predictor, self.num_experts = predictor, num_experts
+
+    def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
+        device = tree.token_ids.device
+        node_topk, root_topk = self.predictor.predict_tree(torch.tensor(context, device=device), tree)
+        experts = ExpertSets.from_topk_ids(node_topk[None].to(device), self.num_experts)
+        return experts, pack_expert_ids(root_topk[None].to(device), self.num_experts)
+
+
+class OracleExperts:
+    def __init__(self, target):
+        self.target = target
+
+    def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
+        order = torch.arange(tree.num_nodes, device=tree.token_ids.device)[None]
+        layout = build_layout(tree, torch.where(tree.valid, order, -1), torch.tensor([context[-1]], device=order.device))
+        out = self.target.verify(cache, layout)
+        self.target.discard(cache)
+        ids = out.expert_ids  # [1, 1+N, L, topk]
+        experts = ExpertSets.from_topk_ids(ids[:, 1:], self.target.num_experts)
+        return experts, pack_expert_ids(ids[:, 0], self.target.num_experts)
