@@ -1,0 +1,149 @@
+"""Timed speculative iterations through the real engine path, for C(k) and C(k, U).
+
+Each timed step is a whole iteration of `SpecEngine._step` (draft -> select ->
+verify -> commit) on real prompts, with the selection forced to the top-k draft
+nodes by score (the EAGLE-3 order; k = 0 verifies the root alone, a plain step).
+The k values are interleaved: every round visits all k = 0..K in a fresh random
+order, so machine drift (other jobs, thermal state, context growth) spreads over
+all k instead of biasing whichever k happened to be measured last.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator
+
+import numpy as np
+import torch
+
+from ..core.policies import Selection, SelectionPolicy
+from ..core.tree import DraftTree, top_k_nodes
+from ..engine.engine import Request
+from ..engine.stats import StepStats
+
+
+class ForcedBudget(SelectionPolicy):
+    """Verify exactly the top-`k` nodes by score (k set before each step; 0 = root only)."""
+
+    name: ClassVar[str] = "profile-top-k"
+
+    def __init__(self, max_k: int):
+        if max_k < 1:
+            raise ValueError(f"max_k must be positive, got {max_k}")
+        self.max_k = max_k
+        self.k = 0
+
+    def select(self, tree: DraftTree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        order = top_k_nodes(tree, self.max_k)  # [B, max_k] score order, -1 pad
+        k = min(self.k, order.shape[1])
+        node_idx = order[:, :k]  # [B, k]
+        keep = node_idx >= 0
+        scores = torch.gather(tree.scores, 1, node_idx.clamp(min=0)) if k else node_idx.new_zeros(tree.batch_size, 0).float()
+        expected = 1.0 + torch.where(keep, scores, 0.0).double().sum(1)
+        nan = torch.full((tree.batch_size,), math.nan, dtype=torch.float64, device=order.device)
+        return Selection(torch.where(keep, node_idx, -1), keep.sum(1), expected, nan)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One timed iteration."""
+
+    k_requested: int
+    verified_tokens: int  # k actually verified (< requested only when the tree was smaller)
+    unique_experts: int  # U: unique (layer, expert) pairs woken by the verify forward, root included
+    seconds: float  # whole-iteration wall time
+    verify_seconds: float
+
+
+class StepDriver:
+    """Steps requests through an engine one iteration at a time, refilling from a prompt list."""
+
+    def __init__(self, engine, make_request: Callable[[list[int]], Request], prompts: list[list[int]], min_remaining: int):
+        if not prompts:
+            raise ValueError("profiling needs at least one prompt")
+        self.engine, self.make_request, self.prompts = engine, make_request, prompts
+        self.min_remaining = min_remaining  # start a new request before depth limits shrink the tree
+        self._next_prompt = 0
+        self._request: Request | None = None
+        self._run: Iterator | None = None
+
+    def _start(self) -> None:
+        ids = self.prompts[self._next_prompt % len(self.prompts)]
+        self._next_prompt += 1
+        self._request = self.make_request(ids)
+        self._run = self.engine.run(self._request)
+        next(self._run)  # prefill + first token (not a timed step)
+
+    def step(self) -> StepStats:
+        req = self._request
+        if req is None or req.finish_reason is not None or req.max_tokens - len(req.output_ids) < self.min_remaining:
+            self._start()
+            req = self._request
+        before = len(req.steps)
+        next(self._run)
+        if len(req.steps) != before + 1:
+            raise RuntimeError("engine did not record a step")
+        return req.steps[-1]
+
+
+def run_interleaved(driver: StepDriver, policy: ForcedBudget, ks: list[int], rounds: int, warmup_rounds: int,
+                    num_moe_layers: int, seed: int = 0, progress=None) -> list[StepSample]:
+    """`warmup_rounds + rounds` rounds, each a random permutation of `ks`; warm-up samples are dropped."""
+    rng = np.random.default_rng(seed)
+    samples: list[StepSample] = []
+    for r in range(warmup_rounds + rounds):
+        for k in rng.permutation(ks):
+            policy.k = int(k)
+            s = driver.step()
+            if progress is not None:
+                progress.update(1)
+            if r < warmup_rounds:
+                continue
+            samples.append(StepSample(int(k), s.verified_tokens, int(round(s.unique_experts_per_layer * num_moe_layers)),
+                                      s.step_ms / 1e3, s.verify_ms / 1e3))
+    return samples
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Per-k summary of the samples (index = verified tokens k)."""
+
+    median_s: tuple[float, ...]  # C(k) as measured (median), interpolated where a k got no sample
+    iqr_s: tuple[float, ...]  # inter-quartile range
+    mean_unique: tuple[float, ...]  # mean U per k
+    count: tuple[int, ...]  # samples per k
+
+
+def summarize(samples: list[StepSample], max_k: int) -> CostCurve:
+    """Group by the verified count; fill a k without samples by linear interpolation."""
+    med, iqr, mu, cnt = [], [], [], []
+    for k in range(max_k + 1):
+        xs = np.array([s.seconds for s in samples if s.verified_tokens == k])
+        us = np.array([s.unique_experts for s in samples if s.verified_tokens == k])
+        cnt.append(len(xs))
+        med.append(float(np.median(xs)) if len(xs) else math.nan)
+        iqr.append(float(np.subtract(*np.percentile(xs, [75, 25]))) if len(xs) else math.nan)
+        mu.append(float(us.mean()) if len(us) else math.nan)
+    med_a = np.array(med)
+    have = ~np.isnan(med_a)
+    if not have.any():
+        raise ValueError("no timed steps were recorded")
+    ks = np.arange(max_k + 1)
+    med_a = np.interp(ks, ks[have], med_a[have])
+    return CostCurve(tuple(med_a.tolist()), tuple(iqr), tuple(mu), tuple(cnt))
+
+
+def monotone(costs: tuple[float, ...]) -> tuple[float, ...]:
+    """Non-decreasing fit by pool-adjacent-violators (verifying more never costs less)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for c in costs:
+        blocks.append([c, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out: list[float] = []
+    for s, n in blocks:
+        out.extend([s / n] * int(n))
+    return tuple(out)
