@@ -112,6 +112,7 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
+        t_target = time.perf_counter() - t0
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
@@ -127,7 +128,7 @@ class SpecEngine:
             verified_tokens=int(layout.num_nodes[0]), accepted_tokens=int(result.num_accepted[0]),
             committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
-            commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
+            target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
             predictor_hits=hits, predictor_total=checked,
         ))
         return done

@@ -19,6 +19,7 @@ class StepStats:
     predictor_ms: float
     select_ms: float
     verify_ms: float  # target forward + acceptance rule
+    target_ms: float  # the target forward alone (part of verify_ms)
     commit_ms: float  # KV compaction of target and drafter
     step_ms: float  # wall time of the whole iteration
     predictor_hits: int = 0  # predicted (layer, expert) pairs that the target really used, accepted nodes
@@ -41,6 +42,7 @@ class GenerationStats:
     predictor_ms: float
     select_ms: float
     verify_ms: float
+    target_ms: float
     commit_ms: float
     overhead_ms: float  # step time not spent in draft / predictor / select / verify / commit
     predictor_topk_acc: float | None
@@ -66,11 +68,20 @@ class GenerationStats:
             verified_tokens=mean("verified_tokens"),
             unique_experts_per_layer=mean("unique_experts_per_layer"),
             **{p: mean(p) for p in parts},
+            target_ms=mean("target_ms"),
             overhead_ms=mean("step_ms") - sum(mean(p) for p in parts),
             predictor_topk_acc=hits / checked if checked else None,
             acceptance_lengths=tuple(s.committed_tokens for s in steps),
             num_draft_tokens=tuple(s.verified_tokens for s in steps),
         )
+
+    @property
+    def bookkeeping_fraction(self) -> float:
+        """Share of step time outside the draft forward, the predictor, the policy and the
+        target forward: the engine's own work (layout, acceptance rule, KV commit, stats)."""
+        step = self.decode_s * 1e3 / max(self.num_steps, 1)
+        model = self.draft_ms + self.predictor_ms + self.select_ms + self.target_ms
+        return max(step - model, 0.0) / step if step > 0 else 0.0
 
     @staticmethod
     def merge(stats: list["GenerationStats"]) -> "GenerationStats":
@@ -86,7 +97,7 @@ class GenerationStats:
             tokens_per_s=tokens / total_s if total_s > 0 else 0.0,
             mean_accepted_tokens=w("mean_accepted_tokens"), verified_tokens=w("verified_tokens"),
             unique_experts_per_layer=w("unique_experts_per_layer"), draft_ms=w("draft_ms"),
-            predictor_ms=w("predictor_ms"), select_ms=w("select_ms"), verify_ms=w("verify_ms"),
+            predictor_ms=w("predictor_ms"), select_ms=w("select_ms"), verify_ms=w("verify_ms"), target_ms=w("target_ms"),
             commit_ms=w("commit_ms"), overhead_ms=w("overhead_ms"),
             predictor_topk_acc=float(np.mean(accs)) if accs else None,
             acceptance_lengths=tuple(x for s in stats for x in s.acceptance_lengths),
