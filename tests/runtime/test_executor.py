@@ -63,7 +63,7 @@ def test_executor_says_which_backend_runs(engine_dir, caplog, monkeypatch):
 def _engine_ready() -> str | None:
     if importlib.util.find_spec("trtllm_moespec.api") is None:
         return "trtllm_moespec.LLM (trtllm_moespec/api.py) does not exist yet"
-    if not (TINY / "target" / "config.json").is_file() or not (TINY / "draft" / "config.json").is_file():
+    if not (TINY / "target" / "config.json").is_file() or not (TINY / "eagle3" / "config.json").is_file():
         return f"the moespec-tiny checkpoints are not in {TINY} yet"
     return None
 
@@ -74,13 +74,13 @@ def test_executor_fallback_end_to_end_on_moespec_tiny(tmp_path):
     from trtllm_moespec.backends.trtllm import build
 
     out = tmp_path / "engine"
-    rc = build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "draft"), "--policy", "eagle3",
+    rc = build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "eagle3"), "--policy", "eagle3",
                      "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(out), "--dry-run"])
     assert rc == 0
     executor = Executor(out, "pytorch", device="cpu", dtype="float32")
     params = SamplingParams(max_tokens=16, temperature=0.0)
     got = executor.generate(["def add(a, b):"], params)[0]
-    ref = LLM(model=str(TINY / "target"), draft_model=str(TINY / "draft"), policy="ar",
+    ref = LLM(model=str(TINY / "target"), draft_model=str(TINY / "eagle3"), policy="ar",
               tree=TreeConfig(steps=4, topk=8, max_draft_tokens=8), device="cpu", dtype="float32")
     want = ref.generate(["def add(a, b):"], params)[0]
     assert list(got.token_ids) == list(want.token_ids)  # greedy speculative == plain decoding

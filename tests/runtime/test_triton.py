@@ -125,7 +125,7 @@ def test_triton_model_on_the_pytorch_engine(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     engine = tmp_path / "engine"
-    assert build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "draft"), "--policy", "eagle3",
+    assert build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "eagle3"), "--policy", "eagle3",
                        "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(engine), "--dry-run"]) == 0
     repo = tmp_path / "repo"
     assert triton_repo_main(["--engine-dir", str(engine), "--out", str(repo), "--backend", "pytorch", "--dtype", "float32"]) == 0

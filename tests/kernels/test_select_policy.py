@@ -1,0 +1,27 @@
+"""The engine's device selector (the moespec::select_tree op, here on its CPU path) equals policy.select."""
+
+import numpy as np
+import torch
+
+from tests.core.strategies import random_eagle_tree, random_experts
+from trtllm_moespec.core import CostTable, ExpertCostModel, make_policy
+from trtllm_moespec.kernels.select_policy import select_on_device
+
+
+def test_select_on_device_matches_the_policies():
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        tree = random_eagle_tree(rng, 2, steps=3, topk=3)
+        experts = random_experts(rng, tree, layers=4, experts=16, topk=2, num_popular=6)
+        root = experts.bits[:, 0].clone()
+        for policy in (make_policy("evict", cost_table=CostTable(tuple(1 + 0.07 * k for k in range(16))), budget=12),
+                       make_policy("ecospec", budget=5), make_policy("ecospec", budget=5, global_cost=True),
+                       make_policy("joint", cost_model=ExpertCostModel(1.0, 0.01, 0.02), budget=12),
+                       make_policy("eagle3", budget=6)):
+            want = policy.select(tree, experts, root)
+            got = select_on_device(policy, tree, experts, root)
+            for b in range(2):
+                n = int(want.num_selected[b])
+                assert int(got.num_selected[b]) == n, policy.name
+                assert got.node_idx[b, :n].tolist() == want.node_idx[b, :n].tolist(), policy.name
+            torch.testing.assert_close(got.expected_tokens.double(), want.expected_tokens.double())
