@@ -1,0 +1,182 @@
+"""`moespec bench` (also `python -m benchmarks.run`): every method side by side on real prompts.
+
+    moespec bench --model moespec-tiny --datasets humaneval,mt_bench,gsm8k \\
+        --methods ar,eagle3,evict,ecospec,joint --temperature 0,1 --num-prompts 8 --max-tokens 64 \\
+        --json OUT.json --markdown OUT.md --plots DIR
+
+Each method's LLM is built once (same drafter weights and tree for every EAGLE-family
+method), warmed up, then methods run interleaved per prompt. At T=0 any method whose
+tokens differ from `ar`'s aborts the run (exit 3) with a partial report; Ctrl-C also
+leaves a valid partial report (exit 130). Exit 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .datasets import DATASETS, load_prompts, tokenization_note
+from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec
+from .runner import BenchState, LosslessMismatch, run_bench, warm_up
+
+__all__ = ["main"]
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+    return parse
+
+
+def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="moespec-tiny")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens shared by every EAGLE-family method")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--cost-profile", default=None, help="for evict/joint (default: the model's cost_profile.json)")
+    p.add_argument("--predictor", default=None, help="expert predictor for ecospec/joint: DIR or 'oracle' "
+                                                     "(default: the model's own)")
+    p.add_argument("--datasets", type=_csv(str), default=DATASETS, help=f"comma list of {', '.join(DATASETS)}")
+    p.add_argument("--methods", type=_csv(str), default=DEFAULT_METHODS,
+                   help="comma list of " + ", ".join(DEFAULT_METHODS) + " ('ar' is always run first)")
+    p.add_argument("--temperature", type=_csv(float), default=(0.0, 1.0), help="comma list, e.g. 0,1")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up per method")
+    p.add_argument("--seed", type=int, default=0, help="per-prompt sampling seed base (T > 0)")
+    p.add_argument("--json", default=None, help="write the JSON report here")
+    p.add_argument("--markdown", default=None, help="write the markdown tables here")
+    p.add_argument("--plots", default=None, help="write PNG figures into this directory")
+    p.add_argument("--ecospec-global", action="store_true", help="ablation: EcoSpec global (static) expert cost")
+    p.add_argument("--gamma-sweep", type=_csv(int), default=(), help="ablation: EcoSpec gamma values, e.g. 3,4,5,6")
+    p.add_argument("--predictor-ablation", action="store_true", help="ablation: learned vs oracle expert predictor")
+    p.add_argument("--rho-sweep", type=_csv(float), default=(), help="ablation: coverage rho values, e.g. 0.5,0.8,0.95")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def resolve_methods(args) -> list[MethodSpec]:
+    names = list(dict.fromkeys(args.methods))
+    specs = [method_spec(n, args.predictor) for n in names]
+    specs += ablation_specs(args.ecospec_global, tuple(args.gamma_sweep), args.predictor_ablation,
+                            tuple(args.rho_sweep), args.predictor)
+    specs = [s for s in specs if s.label != "ar"]
+    return [method_spec("ar")] + specs  # ar first: the reference of every prompt group
+
+
+def _validate(args) -> None:
+    for ds in args.datasets:
+        if ds not in DATASETS:
+            raise ValueError(f"unknown dataset {ds!r}; choose from {', '.join(DATASETS)}")
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.warmup_tokens < 1:
+        raise ValueError("--num-prompts, --max-tokens and --warmup-tokens must be positive")
+    if not args.temperature or any(t < 0 for t in args.temperature):
+        raise ValueError(f"temperatures must be >= 0, got {args.temperature}")
+    if not args.datasets:
+        raise ValueError("no datasets given")
+
+
+def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    from ..engine.config import TreeConfig
+    from .report import build_report, machine_description, summary_lines
+
+    try:
+        _validate(args)
+        tree = TreeConfig.parse(args.tree)
+        specs = resolve_methods(args)
+        prompts = {ds: load_prompts(ds, args.num_prompts) for ds in args.datasets}
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    started, machine = time.time(), machine_description(args.device)
+    state, status, error, rc, runners = BenchState(), "complete", None, 0, []
+    try:
+        runners = _build_runners(specs, args, tree)
+        warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens)
+        total = len(args.temperature) * sum(len(v) for v in prompts.values()) * len(runners)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=total, desc="bench (prompts x methods)", disable=args.no_progress) as bar:
+            run_bench(runners, prompts, list(args.temperature), args.max_tokens, args.seed, state, bar)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except LosslessMismatch as e:
+        status, error, rc = "aborted", str(e), 3
+        print(f"\n{prog}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        status, error, rc = "interrupted", "interrupted by the user (Ctrl-C); partial results", 130
+        print(f"\n{prog}: interrupted; writing the partial report", file=sys.stderr)
+    config = _config(args, tree, specs, runners)
+    report = build_report(status=status, error=error, command=prog.split() + argv, config=config, machine_start=machine,
+                          state=state, analysis_only={s.label: s.analysis_only for s in specs}, started=started,
+                          ended=time.time(), cost_profile=_profile_info(runners))
+    _write_outputs(report, args)
+    print("\n".join(summary_lines(report)))
+    print(json.dumps({"status": report["status"], "results": [
+        {k: r[k] for k in ("dataset", "method", "temperature", "tokens_per_s", "speedup_vs_ar", "mean_accepted_tokens")}
+        for r in report["results"]]}))
+    return rc
+
+
+def _build_runners(specs, args, tree):
+    from tqdm.auto import tqdm
+
+    runners = []
+    for spec in tqdm(specs, desc="load methods", disable=args.no_progress):
+        runners.append(build_runner(spec, args.model, args.draft_model, tree, args.device, args.dtype, args.cost_profile))
+    return runners
+
+
+def _warm_prompt(runner, args) -> list[int]:
+    from .datasets import encode_prompt
+
+    llm = runner.llm
+    text = load_prompts(args.datasets[0], 1)[0].text
+    return encode_prompt(text, llm.tokenizer, llm.target.vocab_size, llm.target.max_position_embeddings - args.warmup_tokens)
+
+
+def _config(args, tree, specs, runners) -> dict:
+    tok = tokenization_note(runners[0].llm.tokenizer) if runners else None
+    return {"model": args.model, "draft_model": args.draft_model, "tree": list(tree.as_tuple()), "device": args.device,
+            "dtype": args.dtype, "datasets": list(args.datasets), "temperatures": list(args.temperature),
+            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
+            "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
+            "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
+                         "predictor": s.predictor, "analysis_only": s.analysis_only} for s in specs]}
+
+
+def _profile_info(runners) -> dict | None:
+    """What cost profile evict/joint ran with (first one found)."""
+    for r in runners:
+        table = getattr(r.llm.policy, "cost_table", None)
+        if table is not None:
+            return {"model_id": table.model_id, "device": table.device, "dtype": table.dtype,
+                    "tree": list(table.tree) if table.tree else None, "method": table.method, "date": table.date,
+                    "costs_ms": [c * 1e3 for c in table.costs]}
+    return None
+
+
+def _write_outputs(report: dict, args) -> None:
+    from pathlib import Path
+
+    from .report import markdown, write_json
+
+    if args.json:
+        write_json(report, args.json)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown(report))
+    if args.plots:
+        from .plots import write_plots
+
+        write_plots(report, args.plots)

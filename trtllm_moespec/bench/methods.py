@@ -1,0 +1,98 @@
+"""The benchmarked methods: how each maps onto `LLM(...)`, plus the papers' ablations.
+
+Every EAGLE-family method uses the same drafter weights and tree config; they
+differ only in the selection policy (and `lookahead` swaps in the n-gram drafter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.engine import Request
+from ..engine.stats import GenerationStats, StepStats
+
+BASE_METHODS = ("ar", "lookahead", "eagle3", "ddd", "coverage", "evict", "ecospec", "joint", "oracle")
+DEFAULT_METHODS = BASE_METHODS
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One column of the benchmark."""
+
+    label: str  # name in reports, e.g. "ecospec[gamma=5]"
+    policy: str  # LLM policy
+    drafter: str = "eagle3"
+    policy_options: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs
+    predictor: str | None = None  # None = the model's own predictor; "oracle" = true routing (analysis)
+    analysis_only: bool = False  # an upper bound, not a deployable method (its step runs extra target forwards)
+
+    @property
+    def options(self) -> dict:
+        return dict(self.policy_options)
+
+
+def method_spec(name: str, predictor: str | None = None) -> MethodSpec:
+    """The spec of a base method; `predictor` applies to the expert-aware ones (ecospec, joint)."""
+    if name not in BASE_METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(BASE_METHODS)}")
+    if name == "lookahead":
+        return MethodSpec("lookahead", "eagle3", drafter="ngram")
+    if name in ("ecospec", "joint"):
+        return MethodSpec(name, name, predictor=predictor)
+    return MethodSpec(name, name, analysis_only=name == "oracle")
+
+
+def ablation_specs(ecospec_global: bool = False, gamma_sweep: tuple[int, ...] = (), predictor_ablation: bool = False,
+                   rho_sweep: tuple[float, ...] = (), predictor: str | None = None) -> list[MethodSpec]:
+    """Extra columns for the papers' ablations.
+
+    gamma counts the bonus token (EcoSpec's convention), so the node budget is gamma - 1.
+    """
+    specs = []
+    if ecospec_global:
+        specs.append(MethodSpec("ecospec[global]", "ecospec", policy_options=(("global_cost", True),), predictor=predictor))
+    for gamma in gamma_sweep:
+        if gamma < 2:
+            raise ValueError(f"gamma must be >= 2 (it counts the bonus token), got {gamma}")
+        specs.append(MethodSpec(f"ecospec[gamma={gamma}]", "ecospec", policy_options=(("budget", gamma - 1),),
+                                predictor=predictor))
+    if predictor_ablation:
+        for name in ("ecospec", "joint"):
+            specs.append(MethodSpec(f"{name}[predictor=oracle]", name, predictor="oracle", analysis_only=True))
+    for rho in rho_sweep:
+        if not 0 < rho <= 1:
+            raise ValueError(f"rho must lie in (0, 1], got {rho}")
+        specs.append(MethodSpec(f"coverage[rho={rho:g}]", "coverage", policy_options=(("rho", float(rho)),)))
+    return specs
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's output with its per-step records."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+    steps: list[StepStats] = field(repr=False)
+
+
+class MethodRunner:
+    """A method's LLM (built once) and a generate call that keeps the per-step records."""
+
+    def __init__(self, spec: MethodSpec, llm):
+        self.spec, self.llm = spec, llm
+
+    def generate(self, prompt_ids: list[int], params) -> Generation:
+        request: Request = self.llm._request(prompt_ids, params)
+        for _ in self.llm.engine.run(request):
+            pass
+        return Generation(list(request.output_ids), request.stats(), list(request.steps))
+
+
+def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, device: str, dtype: str,
+                 cost_profile: str | None = None) -> MethodRunner:
+    from ..api import LLM
+
+    llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
+              cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
+              policy_options=spec.options or None)
+    return MethodRunner(spec, llm)

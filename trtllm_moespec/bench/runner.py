@@ -1,0 +1,106 @@
+"""The benchmark loop: warm-up, then methods interleaved per prompt, with the T=0 losslessness check.
+
+For each temperature, dataset and prompt, every method runs once in a fixed order
+(A B C ... A B C ...), so machine drift hits all methods alike. At temperature 0
+every method's tokens must equal `ar`'s token for token; a mismatch raises
+`LosslessMismatch` (the caller writes a partial report and exits non-zero).
+At temperature > 0 every method gets the same per-prompt seed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..engine.stats import GenerationStats
+from .datasets import Prompt, encode_prompt
+from .methods import Generation, MethodRunner
+
+Key = tuple[str, str, float]  # (dataset, method label, temperature)
+
+
+class LosslessMismatch(RuntimeError):
+    """A method's greedy output differs from plain decoding."""
+
+
+@dataclass
+class BenchState:
+    """Everything measured so far (valid to report at any point)."""
+
+    stats: dict[Key, list[GenerationStats]] = field(default_factory=lambda: defaultdict(list))
+    steps: dict[Key, dict[str, list[float]]] = field(default_factory=dict)  # columnar per-step records
+    prompt_tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # per dataset
+    completed_prompts: int = 0
+
+    def add(self, key: Key, gen: Generation) -> None:
+        self.stats[key].append(gen.stats)
+        cols = self.steps.setdefault(key, {n: [] for n in STEP_FIELDS})
+        for s in gen.steps:
+            for n in STEP_FIELDS:
+                cols[n].append(round(float(getattr(s, n)), 4))
+
+
+STEP_FIELDS = ("verified_tokens", "committed_tokens", "unique_experts_per_layer", "step_ms", "verify_ms", "draft_ms",
+               "select_ms", "predictor_ms")
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_lossless(label: str, prompt: Prompt, tokens: list[int], reference: list[int]) -> None:
+    i = first_mismatch(tokens, reference)
+    if i is not None:
+        raise LosslessMismatch(
+            f"T=0 MISMATCH: method {label!r} on {prompt.dataset} prompt {prompt.prompt_id!r} produced different tokens "
+            f"than 'ar' at output position {i} (method: {tokens[i:i + 8]}, ar: {reference[i:i + 8]}; lengths "
+            f"{len(tokens)} vs {len(reference)}). Greedy speculative decoding must be lossless; aborting.")
+
+
+def warm_up(runners: list[MethodRunner], prompt_ids: list[int], max_tokens: int) -> None:
+    """One short untimed generation per method (allocator, kernels, caches)."""
+    from ..api import SamplingParams
+
+    for r in runners:
+        r.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], temperatures: list[float], max_tokens: int,
+              seed: int, state: BenchState, progress=None) -> BenchState:
+    """Fill `state` prompt group by prompt group; raises LosslessMismatch, lets KeyboardInterrupt
+    through (state then holds the completed groups)."""
+    from ..api import SamplingParams
+
+    if runners[0].spec.label != "ar":
+        raise ValueError("the first method must be 'ar' (the reference for speedups and the T=0 check)")
+    llm = runners[0].llm
+    limit = llm.target.max_position_embeddings - max_tokens
+    encoded = {ds: [encode_prompt(p.text, llm.tokenizer, llm.target.vocab_size, limit) for p in ps]
+               for ds, ps in prompts.items()}
+    for ds, ids in encoded.items():
+        state.prompt_tokens[ds] = [len(x) for x in ids]
+    for temperature in temperatures:
+        for ds, ps in prompts.items():
+            for i, prompt in enumerate(ps):
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                        seed=None if temperature == 0 else seed + i)
+                reference, group = None, []
+                for r in runners:
+                    if progress is not None:
+                        progress.set_postfix_str(f"T={temperature:g} {ds}#{prompt.prompt_id} {r.spec.label}")
+                    gen = r.generate(encoded[ds][i], params)
+                    if temperature == 0:
+                        if reference is None:
+                            reference = gen.token_ids
+                        else:
+                            check_lossless(r.spec.label, prompt, gen.token_ids, reference)
+                    group.append(((ds, r.spec.label, float(temperature)), gen))
+                    if progress is not None:
+                        progress.update(1)
+                for key, gen in group:  # whole groups only: every method always covers the same prompts
+                    state.add(key, gen)
+                state.completed_prompts += 1
+    return state
