@@ -1,0 +1,136 @@
+"""`moespec bench` on a tiny random Qwen3-MoE + EAGLE-3 drafter: schema, reports, plots, the
+T=0 losslessness abort (with a deliberately lossy method) and the partial report on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.engine.conftest import make_checkpoint
+from trtllm_moespec.bench import main as bench_main
+from trtllm_moespec.bench.methods import BASE_METHODS, MethodRunner
+from trtllm_moespec.bench.report import RESULT_KEYS
+from trtllm_moespec.bench.runner import first_mismatch
+from trtllm_moespec.cli import main as cli_main
+from trtllm_moespec.core.cost import CostTable, ExpertCostModel
+
+PERCENTILE_KEYS = {"average", "p50", "p90", "p99"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target, draft = make_checkpoint(root, "qwen3_moe")
+    profile = root / "profile_2_4_8.json"
+    CostTable(tuple(0.010 + 0.001 * k for k in range(9)), model_id="qwen3_moe", device="cpu", dtype="float32",
+              tree=(2, 4, 8), method="synthetic (tests)", expert_model=ExpertCostModel(0.010, 0.0005, 0.0002)).save(profile)
+    return ["--model", str(target), "--draft-model", str(draft), "--tree", "2,4,8", "--cost-profile", str(profile),
+            "--predictor", "oracle", "--no-progress", "--warmup-tokens", "2"]
+
+
+def test_full_run_schema_markdown_and_plots(model, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = bench_main(model + ["--num-prompts", "1", "--max-tokens", "5", "--temperature", "0,1",
+                             "--ecospec-global", "--gamma-sweep", "3", "--rho-sweep", "0.5", "--predictor-ablation",
+                             "--json", str(out / "r.json"), "--markdown", str(out / "r.md"), "--plots", str(out / "plots")])
+    assert rc == 0
+    report = json.loads((out / "r.json").read_text())
+    assert report["status"] == "complete" and report["error"] is None
+    assert report["command"].startswith("moespec bench --model") and "--gamma-sweep 3" in report["command"]
+    for key in ("platform", "cpu_count", "torch", "load_average", "load_average_end"):
+        assert key in report["machine"]
+    labels = list(BASE_METHODS) + ["ecospec[global]", "ecospec[gamma=3]", "ecospec[predictor=oracle]",
+                                   "joint[predictor=oracle]", "coverage[rho=0.5]"]
+    cells = {(r["dataset"], r["method"], r["temperature"]): r for r in report["results"]}
+    assert set(cells) == {(d, m, t) for d in ("humaneval", "mt_bench", "gsm8k") for m in labels for t in (0.0, 1.0)}
+    for r in report["results"]:
+        assert set(RESULT_KEYS) <= set(r)
+        assert set(r["decoding_stats"]) == {"acceptance_length", "num_draft_tokens"}
+        assert all(set(v) == PERCENTILE_KEYS for v in r["decoding_stats"].values())
+        assert r["num_tokens"] == 5 and r["tokens_per_s"] > 0 and r["speedup_vs_ar"] > 0
+    ar = cells[("humaneval", "ar", 0.0)]
+    assert ar["speedup_vs_ar"] == 1.0 and ar["verified_tokens"] == 0 and ar["mean_accepted_tokens"] == 1.0
+    assert cells[("gsm8k", "eagle3", 1.0)]["speedup_vs_eagle3"] == 1.0
+    assert cells[("gsm8k", "eagle3", 0.0)]["verified_tokens"] > 0
+    gamma3 = [m for m in report["config"]["methods"] if m["label"] == "ecospec[gamma=3]"][0]
+    assert gamma3["policy_options"] == {"budget": 2}  # gamma counts the bonus token
+    steps = {(s["dataset"], s["method"], s["temperature"]): s for s in report["steps"]}
+    assert len(steps[("mt_bench", "eagle3", 0.0)]["step_ms"]) == cells[("mt_bench", "eagle3", 0.0)]["num_steps"]
+    md = (out / "r.md").read_text()
+    assert "Table 1" in md and "Table 2" in md and "| eagle3 |" in md and "HumanEval" in md
+    for name in ("cost_vs_tree_size.png", "verified_vs_mat.png", "tokens_per_s.png"):
+        assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["status"] == "complete"
+
+
+def _lossy(monkeypatch, label: str):
+    """Make one method drop greedy exactness: its last emitted token is changed."""
+    real = MethodRunner.generate
+
+    def generate(self, prompt_ids, params):
+        gen = real(self, prompt_ids, params)
+        if self.spec.label == label:
+            gen.token_ids[-1] = (gen.token_ids[-1] + 1) % self.llm.target.vocab_size
+        return gen
+
+    monkeypatch.setattr(MethodRunner, "generate", generate)
+
+
+def test_t0_mismatch_aborts_loudly(model, tmp_path, monkeypatch, capsys):
+    _lossy(monkeypatch, "evict")
+    path = tmp_path / "r.json"
+    rc = cli_main(["bench"] + model + ["--methods", "ar,eagle3,evict", "--datasets", "gsm8k", "--num-prompts", "1",
+                                       "--max-tokens", "4", "--temperature", "0", "--json", str(path)])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "T=0 MISMATCH: method 'evict' on gsm8k prompt '0'" in err and "output position 3" in err
+    report = json.loads(path.read_text())
+    assert report["status"] == "aborted" and "'evict'" in report["error"]
+    assert report["results"] == []  # the broken prompt group is not reported as measured
+
+
+def test_mismatch_is_not_checked_above_temperature_zero(model, monkeypatch):
+    _lossy(monkeypatch, "eagle3")
+    assert bench_main(model + ["--methods", "ar,eagle3", "--datasets", "gsm8k", "--num-prompts", "1",
+                               "--max-tokens", "3", "--temperature", "1"]) == 0
+
+
+def test_keyboard_interrupt_writes_a_partial_report(model, tmp_path, monkeypatch):
+    real, calls = MethodRunner.generate, []
+
+    def generate(self, prompt_ids, params):
+        calls.append(self.spec.label)
+        if len(calls) == 2 + 4:  # warm-up (2 methods), first prompt group (2), then Ctrl-C in the second group
+            raise KeyboardInterrupt
+        return real(self, prompt_ids, params)
+
+    monkeypatch.setattr(MethodRunner, "generate", generate)
+    out = tmp_path / "partial"
+    rc = bench_main(model + ["--methods", "ar,eagle3", "--datasets", "humaneval", "--num-prompts", "3",
+                             "--max-tokens", "3", "--temperature", "0", "--json", str(out / "r.json"),
+                             "--markdown", str(out / "r.md"), "--plots", str(out / "plots")])
+    assert rc == 130
+    report = json.loads((out / "r.json").read_text())
+    assert report["status"] == "interrupted" and report["completed_prompt_groups"] == 1
+    assert {(r["method"], r["num_prompts"]) for r in report["results"]} == {("ar", 1), ("eagle3", 1)}
+    assert "interrupted" in (out / "r.md").read_text()
+    assert (out / "plots" / "tokens_per_s.png").is_file()
+
+
+def test_bad_arguments_exit_2(model, capsys):
+    assert bench_main(model + ["--methods", "ar,medusa"]) == 2
+    assert "unknown method 'medusa'" in capsys.readouterr().err
+    assert bench_main(model + ["--datasets", "squad"]) == 2
+    assert bench_main(model + ["--gamma-sweep", "1"]) == 2
+
+
+def test_first_mismatch_and_module_entry():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+    import benchmarks.run
+    import trtllm_moespec.bench
+
+    assert benchmarks.run.main is trtllm_moespec.bench.main

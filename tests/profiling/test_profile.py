@@ -1,0 +1,86 @@
+"""`moespec profile` on a tiny random Qwen3-MoE + EAGLE-3 drafter: real engine steps, few repeats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.engine.conftest import make_checkpoint
+from trtllm_moespec.cli import main as cli_main
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.engine.config import TreeConfig
+from trtllm_moespec.profiling import profile_model
+from trtllm_moespec.profiling.measure import monotone
+
+TREE = TreeConfig(2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """Profile written beside the model by the CLI (overwrites the synthetic (4, 8, 32) one)."""
+    target, draft = make_checkpoint(tmp_path_factory.mktemp("profile"), "qwen3_moe")
+    rc = cli_main(["profile", "--model", str(target), "--draft-model", str(draft), "--tree", "2,4,8",
+                   "--repeats", "3", "--warmup", "1", "--prompts", "def add(a, b):", "Janet has 16 eggs."])
+    assert rc == 0
+    return target, draft, target / "cost_profile.json"
+
+
+def test_profile_is_valid_and_loadable(profiled):
+    target, _, path = profiled
+    data = json.loads(path.read_text())
+    table = CostTable.load(path, model_id=target.name, device="cpu", dtype="float32", tree=TREE.as_tuple())
+    assert len(table.costs) == TREE.max_draft_tokens + 1
+    assert all(b >= a for a, b in zip(table.costs, table.costs[1:]))  # non-decreasing fit
+    assert table.spread is not None and len(table.spread) == len(table.costs)
+    assert table.expert_model is not None and table.expert_model.num_samples == 3 * (TREE.max_draft_tokens + 1)
+    assert data["measured"]["count"] == [3] * (TREE.max_draft_tokens + 1)  # every k measured, none skipped
+    assert "interleaved" in table.method and table.date
+
+
+def test_samples_verify_exactly_k_and_count_root_experts(profiled):
+    _, _, path = profiled
+    s = json.loads(path.read_text())["measured"]["samples"]
+    # 3 MoE layers x top-2: the root alone wakes exactly 6 (layer, expert) pairs; more nodes never fewer.
+    u0 = [u for k, u in zip(s["k"], s["unique_experts"]) if k == 0]
+    assert u0 == [6, 6, 6]
+    assert all(u >= 6 for u in s["unique_experts"]) and max(s["unique_experts"]) <= 3 * 8
+    assert sorted(set(s["k"])) == list(range(TREE.max_draft_tokens + 1))
+
+
+def test_policies_pick_up_the_profile(profiled):
+    from trtllm_moespec import LLM
+
+    target, draft, path = profiled
+    table = CostTable.load(path)
+    evict = LLM(model=str(target), draft_model=str(draft), policy="evict", tree=TREE)
+    assert evict.policy.cost_table.costs == table.costs
+    joint = LLM(model=str(target), draft_model=str(draft), policy="joint", tree=TREE, predictor="oracle")
+    assert joint.policy.cost_model == table.expert_model
+
+
+def test_profile_for_another_setting_is_refused(profiled):
+    from trtllm_moespec import LLM
+
+    target, draft, path = profiled
+    with pytest.raises(ValueError, match=r"tree \(2, 4, 8\) \(expected \(4, 8, 32\)\)"):
+        LLM(model=str(target), draft_model=str(draft), policy="evict", tree=TreeConfig(4, 8, 32))
+    with pytest.raises(ValueError, match="model 'qwen3_moe' \\(expected 'other-model'\\)"):
+        CostTable.load(path, model_id="other-model")
+    with pytest.raises(ValueError, match="device 'cpu' \\(expected 'cuda:NVIDIA H200'\\)"):
+        CostTable.load(path, device="cuda:NVIDIA H200")
+    with pytest.raises(ValueError, match="dtype"):
+        CostTable.load(path, dtype="bfloat16")
+
+
+def test_profile_to_out_path_and_bad_repeats(profiled, tmp_path):
+    target, draft, _ = profiled
+    with pytest.raises(ValueError, match="repeats"):
+        profile_model(str(target), str(draft), TREE, repeats=1, out=tmp_path / "x.json", show_progress=False)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_monotone_pool_adjacent_violators():
+    assert monotone((1.0, 3.0, 2.0, 4.0)) == (1.0, 2.5, 2.5, 4.0)
+    assert monotone((5.0, 1.0, 1.0)) == pytest.approx((7 / 3,) * 3)
+    assert monotone((1.0, 2.0)) == (1.0, 2.0)
