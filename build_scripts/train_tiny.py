@@ -9,6 +9,12 @@ resumable with ``--resume``):
   python build_scripts/train_tiny.py predictor --minutes 10 --out runs/tiny/predictor
   python build_scripts/train_tiny.py export-predictor --run runs/tiny/predictor
   python build_scripts/train_tiny.py report --out runs/tiny/report.json
+  python build_scripts/train_tiny.py eagle3 --minutes 25 --out runs/tiny/eagle3
+  python build_scripts/train_tiny.py export-eagle3 --run runs/tiny/eagle3
+  python build_scripts/train_tiny.py eval-eagle3 --prompts 10 --max-tokens 96
+  python build_scripts/train_tiny.py predictor-head --minutes 6 --out runs/tiny/predictor_head
+  python build_scripts/train_tiny.py export-predictor-head --run runs/tiny/predictor_head
+  python build_scripts/train_tiny.py eval-predictors
 
 Outputs go to runs/tiny/ (git-ignored); the export steps write the shipped
 directories under trtllm_moespec/assets/moespec-tiny/.
@@ -141,6 +147,9 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None, help="limit the held-out 512-token windows (default: all)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per k and offset")
     p.set_defaults(fn=cmd_report)
+    from trtllm_moespec.training.eagle3_cli import add_subcommands as add_eagle3_subcommands
+
+    add_eagle3_subcommands(sub, ASSET_DIR)  # eagle3, export-eagle3, eval-eagle3, predictor-head, ...
     args = parser.parse_args()
     torch.set_num_threads(args.threads if hasattr(args, "threads") else 2)
     args.fn(args)

@@ -112,6 +112,16 @@ def load_predictor(predictor, paths: ModelPaths, target):
         return OracleExperts(target)
     if paths.predictor is None:
         raise ValueError("no expert predictor: pass predictor=DIR or predictor='oracle'")
+    from .models.predictor_head import is_head_predictor_dir
+
+    if is_head_predictor_dir(paths.predictor):  # ours: a head on the EAGLE-3 drafter's hidden
+        from .engine.predictors import HeadExperts
+        from .models.predictor_head import DraftHeadPredictor
+
+        head = DraftHeadPredictor.load(paths.predictor)
+        head.check_target(len(target.moe_layers), target.num_experts, target.experts_per_token, target.vocab_size,
+                          target.hidden_size)
+        return HeadExperts(head.to(target.device), target.input_embeddings(), target.num_experts)
     from .models.predictor import ExpertPredictor
 
     model = ExpertPredictor.load(paths.predictor)

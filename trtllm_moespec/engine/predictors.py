@@ -38,3 +38,34 @@ class OracleExperts:
         ids = out.expert_ids  # [1, 1+N, L, topk]
         experts = ExpertSets.from_topk_ids(ids[:, 1:], self.target.num_experts)
         return experts, pack_expert_ids(ids[:, 0], self.target.num_experts)
+
+
+class HeadExperts:
+    """Our draft-head predictor: routing from the EAGLE-3 drafter's per-node hidden, no extra forward.
+
+    Node i's feature is (draft.node_hidden[i], embedding of its token, its depth); the root's is
+    (hidden that proposed the depth-1 nodes = the drafter output at the last committed position,
+    which consumed the root token; embedding of the root).
+    """
+
+    def __init__(self, head, embed_tokens: torch.nn.Embedding, num_experts: int):
+        self.head, self.embed_tokens, self.num_experts = head, embed_tokens, num_experts
+
+    def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
+        hidden = getattr(draft, "node_hidden", None)
+        if hidden is None:
+            raise ValueError("the draft-head expert predictor needs the EAGLE-3 drafter's node_hidden; this draft "
+                             "source has none (use the standalone predictor or predictor='oracle')")
+        if hidden.shape[:2] != tree.token_ids.shape or tree.batch_size != 1:
+            raise ValueError(f"node_hidden {tuple(hidden.shape)} does not match the tree {tuple(tree.token_ids.shape)} "
+                             "(batch 1 only)")
+        device = tree.token_ids.device
+        if tree.num_nodes == 0:
+            raise ValueError("the draft-head expert predictor needs at least one drafted node (the root's feature "
+                             "is the hidden that proposed the depth-1 nodes)")
+        with torch.no_grad():
+            embeds = self.embed_tokens(tree.token_ids[0].to(self.embed_tokens.weight.device))
+            root_embed = self.embed_tokens(torch.tensor([context[-1]], device=self.embed_tokens.weight.device))[0]
+        node_topk, root_topk = self.head.predict(hidden[0], embeds, tree.depth[0], hidden[0, 0], root_embed)
+        experts = ExpertSets.from_topk_ids(node_topk[None].to(device), self.num_experts)
+        return experts, pack_expert_ids(root_topk[None].to(device), self.num_experts)
