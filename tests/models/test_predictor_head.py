@@ -34,15 +34,33 @@ def _config(target: TargetModel, **kw) -> HeadPredictorConfig:
 def test_shapes_and_topk(target) -> None:
     head = DraftHeadPredictor(HeadPredictorModel(_config(target)))
     N, H = 7, target.hidden_size
-    node_topk, root_topk = head.predict(torch.randn(N, H), torch.randn(N, H), torch.arange(1, N + 1), torch.randn(H),
-                                        torch.randn(H))
+    ids = torch.randint(0, target.vocab_size, (N,))
+    with pytest.raises(ValueError, match="bind_embedding"):
+        head.predict(torch.randn(N, H), ids, torch.arange(1, N + 1), torch.randn(H), 3)
+    head.bind_embedding(target.input_embeddings())
+    node_topk, root_topk = head.predict(torch.randn(N, H), ids, torch.arange(1, N + 1), torch.randn(H), 3)
     L, K = len(target.moe_layers), target.experts_per_token
     assert node_topk.shape == (N, L, K) and root_topk.shape == (L, K)
     assert node_topk.dtype == torch.int64 and int(node_topk.max()) < target.num_experts
     assert bool((node_topk[..., 1:] > node_topk[..., :-1]).all())  # sorted, distinct
     with pytest.raises(ValueError, match="node_hidden must be"):
-        head.predict(torch.randn(N, H + 1), torch.randn(N, H), torch.ones(N, dtype=torch.int64), torch.randn(H),
-                     torch.randn(H))
+        head.predict(torch.randn(N, H + 1), ids, torch.ones(N, dtype=torch.int64), torch.randn(H), 3)
+    with pytest.raises(ValueError, match="does not match the head"):
+        head.bind_embedding(torch.nn.Embedding(target.vocab_size + 1, H))
+
+
+def test_lookup_tables_equal_the_training_forward(target) -> None:
+    """Inference splits the input layers into a per-token table and the hidden half: same logits."""
+    torch.manual_seed(2)
+    model = HeadPredictorModel(_config(target))
+    torch.nn.init.normal_(model.depth_bias.weight)
+    embed = target.input_embeddings()
+    ids, depth = torch.randint(0, target.vocab_size, (9,)), torch.tensor([0, 1, 2, 3, 4, 5, 9, 1, 0])
+    hidden = torch.randn(9, target.hidden_size)
+    with torch.no_grad():
+        ref = model(hidden, embed(ids), depth)
+        got = model.forward_tables(hidden, ids, depth, model.token_tables(embed.weight))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_root_and_nodes_use_their_own_input_layer(target) -> None:
@@ -124,9 +142,8 @@ def test_head_experts_on_a_drafted_tree_and_dispatch(target, tmp_path) -> None:
     # the root's feature is the hidden that proposed the depth-1 nodes, with the root token's embedding
     head = adapter.head
     with torch.no_grad():
-        _, root_topk = head.predict(draft.node_hidden[0, :1], target.input_embeddings()(draft.tree.token_ids[0, :1]),
-                                    draft.tree.depth[0, :1], cache.last_hidden[0],
-                                    target.input_embeddings()(torch.tensor(4)))
+        logits = head.model(cache.last_hidden, target.input_embeddings()(torch.tensor([4])), torch.zeros(1, dtype=torch.int64))
+    root_topk = logits[0].topk(target.experts_per_token, dim=-1).indices
     assert torch.equal(root_bits, ExpertSets.from_topk_ids(root_topk[None, None], target.num_experts).bits[:, 0])
     with pytest.raises(ValueError, match="node_hidden"):
         adapter.predict(context, draft.tree, type("NoHidden", (), {"node_hidden": None})(), None)

@@ -98,7 +98,7 @@ def test_target_features_match_the_engine_prefill(target) -> None:
 
 def test_a_few_steps_reduce_the_distillation_loss(target, data_dir) -> None:
     cfg = Eagle3TrainConfig(seq_len=24, batch_size=4, ttt_steps=3, intermediate_size=64, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=32, peak_lr=3e-3)
+                            num_key_value_heads=1, head_dim=32, peak_lr=3e-3, selfgen_sequences=0)
     drafter = init_drafter(target, cfg).train()
     opt = torch.optim.AdamW(trainable_parameters(drafter), lr=cfg.peak_lr)
     windows = torch.from_numpy(np.load(data_dir / "train.npy")[: 4 * 24].reshape(4, 24).astype(np.int64))
@@ -117,10 +117,18 @@ def test_a_few_steps_reduce_the_distillation_loss(target, data_dir) -> None:
 
 def test_train_resume_export_and_load(target_dir, data_dir, tmp_path) -> None:
     cfg = Eagle3TrainConfig(minutes=5, seq_len=24, batch_size=2, ttt_steps=2, intermediate_size=64,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, eval_windows=2)
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, eval_windows=2,
+                            selfgen_sequences=3, selfgen_prompt_len=8)
     run = tmp_path / "run"
     _, progress = train_eagle3(target_dir, data_dir, run, cfg, resume=False, max_steps=2)
     assert progress.step == 2 and (run / "train.log").is_file()
+    selfgen = np.load(run / "selfgen.npy")  # corpus prefix + the target's greedy continuation
+    assert selfgen.shape == (3, 24)
+    model = TargetModel.load(target_dir).model
+    with torch.no_grad():
+        for t in range(8, 24):
+            prefix = torch.from_numpy(selfgen[:, :t].astype(np.int64))
+            assert torch.equal(model(input_ids=prefix).logits[:, -1].argmax(-1), prefix.new_tensor(selfgen[:, t]))
     trained, progress = train_eagle3(target_dir, data_dir, run, cfg, resume=True, max_steps=4)
     assert progress.step == 4 and "resumed at step 2" in (run / "train.log").read_text()
     out = export_eagle3(run, target_dir, tmp_path / "eagle3", dtype=torch.float32)

@@ -49,7 +49,7 @@ class HeadExperts:
     """
 
     def __init__(self, head, embed_tokens: torch.nn.Embedding, num_experts: int):
-        self.head, self.embed_tokens, self.num_experts = head, embed_tokens, num_experts
+        self.head, self.num_experts = head.bind_embedding(embed_tokens), num_experts
 
     def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
         hidden = getattr(draft, "node_hidden", None)
@@ -63,9 +63,6 @@ class HeadExperts:
         if tree.num_nodes == 0:
             raise ValueError("the draft-head expert predictor needs at least one drafted node (the root's feature "
                              "is the hidden that proposed the depth-1 nodes)")
-        with torch.no_grad():
-            embeds = self.embed_tokens(tree.token_ids[0].to(self.embed_tokens.weight.device))
-            root_embed = self.embed_tokens(torch.tensor([context[-1]], device=self.embed_tokens.weight.device))[0]
-        node_topk, root_topk = self.head.predict(hidden[0], embeds, tree.depth[0], hidden[0, 0], root_embed)
+        node_topk, root_topk = self.head.predict(hidden[0], tree.token_ids[0], tree.depth[0], hidden[0, 0], context[-1])
         experts = ExpertSets.from_topk_ids(node_topk[None].to(device), self.num_experts)
         return experts, pack_expert_ids(root_topk[None].to(device), self.num_experts)

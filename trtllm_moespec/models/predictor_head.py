@@ -103,9 +103,34 @@ class HeadPredictorModel(nn.Module):
         x = torch.cat([self.hidden_norm(hidden.float()), self.embed_norm(embeds.float())], dim=-1)
         is_root = (depth == 0)[..., None]
         pre = torch.where(is_root, self.root_in(x), self.node_in(x))
+        return self._head(pre, depth)
+
+    def _head(self, pre: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         pre = pre + self.depth_bias(depth.clamp(0, self.cfg.max_depth))
         logits = self.out(F.silu(pre))
         return logits.view(*depth.shape, self.cfg.target_num_layers, self.cfg.target_num_experts)
+
+    @torch.no_grad()
+    def token_tables(self, embed_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token half of node_in / root_in for every vocabulary entry: ([V, I], [V, I]).
+
+        node_in(cat(a, b)) = W[:, :H] a + W[:, H:] b, so inference needs only the hidden half per node."""
+        e = self.embed_norm(embed_weight.float())
+        H = self.cfg.hidden_size
+        return F.linear(e, self.node_in.weight[:, H:]), F.linear(e, self.root_in.weight[:, H:])
+
+    def forward_tables(self, hidden: torch.Tensor, token_ids: torch.Tensor, depth: torch.Tensor,
+                       tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Same as forward() with the token halves looked up: hidden [M, H], token_ids / depth [M]; roots
+        (depth 0) and nodes are computed on their own rows only."""
+        H = self.cfg.hidden_size
+        h = self.hidden_norm(hidden.float())
+        is_root = depth == 0
+        pre = torch.empty(h.shape[0], self.cfg.intermediate_size, dtype=h.dtype, device=h.device)
+        for mask, layer, table in ((~is_root, self.node_in, tables[0]), (is_root, self.root_in, tables[1])):
+            if bool(mask.any()):
+                pre[mask] = F.linear(h[mask], layer.weight[:, :H]) + table[token_ids[mask]]
+        return self._head(pre, depth)
 
 
 def head_loss(logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -119,6 +144,15 @@ class DraftHeadPredictor:
     def __init__(self, model: HeadPredictorModel):
         self.model = model.eval()
         self.config = model.cfg
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bind_embedding(self, embed: nn.Embedding) -> "DraftHeadPredictor":
+        """Precompute the token halves of the input layers from the (target's) embedding; returns self."""
+        if tuple(embed.weight.shape) != (self.config.vocab_size, self.config.embed_size):
+            raise ValueError(f"embedding of shape {tuple(embed.weight.shape)} does not match the head's "
+                             f"(vocab_size, embed_size) = {(self.config.vocab_size, self.config.embed_size)}")
+        self._tables = self.model.token_tables(embed.weight.to(self.device))
+        return self
 
     @staticmethod
     def load(directory: str | Path) -> "DraftHeadPredictor":
@@ -155,6 +189,8 @@ class DraftHeadPredictor:
 
     def to(self, device: torch.device | str) -> "DraftHeadPredictor":
         self.model.to(device)
+        if self._tables is not None:
+            self._tables = tuple(t.to(device) for t in self._tables)
         return self
 
     def check_target(self, num_layers: int, num_experts: int, topk: int, vocab_size: int, hidden_size: int) -> None:
@@ -170,18 +206,21 @@ class DraftHeadPredictor:
         return logits.topk(self.config.target_topk, dim=-1).indices.sort(dim=-1).values
 
     @torch.no_grad()
-    def predict(self, node_hidden: torch.Tensor, node_embeds: torch.Tensor, node_depth: torch.Tensor,
-                root_hidden: torch.Tensor, root_embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """node_hidden [N, H], node_embeds [N, He], node_depth [N] (>= 1), root_hidden [H], root_embed [He]
-        -> (node_topk [N, L, K], root_topk [L, K]) int64 sorted expert ids, one forward."""
+    def predict(self, node_hidden: torch.Tensor, node_ids: torch.Tensor, node_depth: torch.Tensor,
+                root_hidden: torch.Tensor, root_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """node_hidden [N, H], node_ids [N] token ids, node_depth [N] (values < 1 are treated as 1),
+        root_hidden [H], root_id -> (node_topk [N, L, K], root_topk [L, K]) int64 sorted expert ids.
+        Needs bind_embedding() first."""
+        if self._tables is None:
+            raise ValueError("call bind_embedding(target embedding) before predict()")
         if node_hidden.dim() != 2 or node_hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"node_hidden must be [N, {self.config.hidden_size}], got {tuple(node_hidden.shape)}")
-        if node_embeds.shape != (node_hidden.shape[0], self.config.embed_size) or node_depth.shape != node_hidden.shape[:1]:
-            raise ValueError(f"node_embeds {tuple(node_embeds.shape)} / node_depth {tuple(node_depth.shape)} do not "
+        if node_ids.shape != node_hidden.shape[:1] or node_depth.shape != node_hidden.shape[:1]:
+            raise ValueError(f"node_ids {tuple(node_ids.shape)} / node_depth {tuple(node_depth.shape)} do not "
                              f"match node_hidden {tuple(node_hidden.shape)}")
         dev = self.device
-        hidden = torch.cat([node_hidden, root_hidden[None]]).to(dev)
-        embeds = torch.cat([node_embeds, root_embed[None]]).to(dev)
-        depth = torch.cat([node_depth.clamp(min=1), node_depth.new_zeros(1)]).to(dev)
-        topk = self._topk(self.model(hidden, embeds, depth))
+        hidden = torch.cat([node_hidden.to(dev, torch.float32), root_hidden.to(dev, torch.float32)[None]])
+        ids = torch.cat([node_ids.to(dev), torch.tensor([int(root_id)], device=dev)])
+        depth = torch.cat([node_depth.to(dev).clamp(min=1), torch.zeros(1, dtype=torch.int64, device=dev)])
+        topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables))
         return topk[:-1], topk[-1]

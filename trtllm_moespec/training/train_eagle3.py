@@ -11,6 +11,12 @@ T = 0 acceptance is decided by the target's argmax, not by the data). Step k's
 loss is weighted by `step_decay**k`. Tokens fed along the chains are the corpus
 tokens (teacher forcing), hidden states are the drafter's own.
 
+Data: corpus windows of the training split, mixed (`selfgen_fraction`) with
+self-distillation windows: a corpus prefix followed by the target's own greedy
+continuation (`build_selfgen`), so the chains are also trained on the text the
+drafter must predict at T = 0 (the target's greedy output), as EAGLE-3 / SpecForge
+regenerate their training responses with the target.
+
 The drafter shares the target's (frozen) input embedding, so the shipped
 checkpoint carries no `embed_tokens`; `lm_head` and the final `norm` start from
 the target's output head and final norm. The cosine schedule runs over training
@@ -26,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -60,6 +67,9 @@ class Eagle3TrainConfig:
     eval_every_s: float = 240.0
     ckpt_every_s: float = 180.0
     eval_windows: int = 16  # held-out windows of seq_len tokens
+    selfgen_sequences: int = 768  # target-generated (greedy) windows for self-distillation; 0 = corpus only
+    selfgen_prompt_len: int = 64  # corpus tokens before each greedy continuation
+    selfgen_fraction: float = 0.5  # share of each batch drawn from the self-generated windows
     seed: int = 0
 
 
@@ -146,6 +156,54 @@ def evaluate(drafter: Eagle3Drafter, target: TargetModel, windows: torch.Tensor,
                        mean([p.step_acc for p in parts]))
 
 
+@torch.no_grad()
+def build_selfgen(target: TargetModel, stream: np.ndarray, cfg: Eagle3TrainConfig, path: Path,
+                  batch_size: int = 64) -> np.ndarray:
+    """[N, seq_len] uint16 windows: `selfgen_prompt_len` corpus tokens + the target's greedy continuation
+    (end-of-text ignored, as in the acceptance runs). Cached at `path`."""
+    if path.is_file():
+        return np.load(path)
+    prompts = random_windows(stream, cfg.selfgen_sequences, cfg.selfgen_prompt_len - 1, cfg.seed + 13, 0)
+    new = cfg.seq_len - cfg.selfgen_prompt_len
+    if new < 1:
+        raise ValueError(f"selfgen_prompt_len {cfg.selfgen_prompt_len} must be shorter than seq_len {cfg.seq_len}")
+    rows = [greedy_continue(target.model, chunk.to(target.device), new).cpu().numpy().astype(np.uint16)
+            for chunk in tqdm(prompts.split(batch_size), desc="self-distillation data", mininterval=10)]
+    windows = np.concatenate(rows)
+    np.save(path, windows)
+    return windows
+
+
+@torch.no_grad()
+def greedy_continue(model: torch.nn.Module, input_ids: torch.Tensor, num_new: int) -> torch.Tensor:
+    """input_ids [B, P] followed by `num_new` argmax tokens (no stop token, no logits processors)."""
+    from transformers import DynamicCache
+
+    import inspect
+
+    cache = {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"): DynamicCache()}
+    logits = model(input_ids=input_ids, use_cache=True, **cache).logits[:, -1]
+    out = [input_ids]
+    for i in range(num_new):
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < num_new:
+            logits = model(input_ids=nxt, use_cache=True, **cache).logits[:, -1]
+    return torch.cat(out, dim=1)
+
+
+def training_batch(corpus: np.ndarray, selfgen: np.ndarray | None, cfg: Eagle3TrainConfig, step: int) -> torch.Tensor:
+    """[B, seq_len] windows of step `step`: corpus windows and (a `selfgen_fraction` of) self-generated ones."""
+    n_self = 0 if selfgen is None or len(selfgen) == 0 else round(cfg.batch_size * cfg.selfgen_fraction)
+    parts = []
+    if cfg.batch_size - n_self:
+        parts.append(random_windows(corpus, cfg.batch_size - n_self, cfg.seq_len - 1, cfg.seed + 7, step))
+    if n_self:
+        rows = np.random.default_rng([cfg.seed + 17, step]).integers(0, len(selfgen), n_self)
+        parts.append(torch.from_numpy(selfgen[rows].astype(np.int64)))
+    return torch.cat(parts)
+
+
 def _fmt(m: StepMetrics) -> str:
     return (f"loss {m.loss:.4f} step_loss " + " ".join(f"{x:.3f}" for x in m.step_loss)
             + " step_acc " + " ".join(f"{x:.3f}" for x in m.step_acc))
@@ -184,13 +242,18 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
         n = sum(p.numel() for p in trainable_parameters(drafter))
         log.info(f"start: {n} trainable drafter params, target {target_dir}, train {asdict(cfg)}")
     heldout = contiguous_windows(streams.heldout, cfg.seq_len - 1, cfg.eval_windows)
+    selfgen = None
+    if cfg.selfgen_sequences > 0:
+        t0 = time.time()
+        selfgen = build_selfgen(target, streams.train, cfg, out_dir / "selfgen.npy")
+        log.info(f"self-distillation windows: {selfgen.shape} ({time.time() - t0:.0f}s)")
     step, tokens, best = progress.step, progress.tokens_seen, progress.best_heldout_loss
     session_start = last_eval = last_ckpt = time.time()
     deadline = session_start + cfg.minutes * 60
     elapsed = progress.elapsed_s
     bar = tqdm(total=int(progress.planned_s), initial=int(elapsed), desc="eagle3 (s)", mininterval=10)
     while elapsed < progress.planned_s and time.time() < deadline and (max_steps is None or step < max_steps):
-        windows = random_windows(streams.train, cfg.batch_size, cfg.seq_len - 1, cfg.seed + 7, step)
+        windows = training_batch(streams.train, selfgen, cfg, step)
         lr = cosine_lr(step, elapsed / progress.planned_s, cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
