@@ -114,8 +114,11 @@ def cmd_export_predictor_head(args: argparse.Namespace) -> None:
 def cmd_eval_predictors(args: argparse.Namespace) -> None:
     from .eval_eagle3 import measure_predictors
 
-    results = measure_predictors(args.target, args.drafter, {"standalone": args.standalone, "draft_head": args.head},
-                                 args.prompts, args.max_tokens)
+    predictors = {name: path for name, path in (("standalone", args.standalone), ("draft_head", args.head))
+                  if (path / "config.json").is_file()}
+    for name in {"standalone", "draft_head"} - set(predictors):
+        print(f"skipping the {name} predictor: no config.json in its directory")
+    results = measure_predictors(args.target, args.drafter, predictors, args.prompts, args.max_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
