@@ -58,6 +58,8 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--gamma-sweep", type=_csv(int), default=(), help="ablation: EcoSpec gamma values, e.g. 3,4,5,6")
     p.add_argument("--predictor-ablation", action="store_true", help="ablation: learned vs oracle expert predictor")
     p.add_argument("--rho-sweep", type=_csv(float), default=(), help="ablation: coverage rho values, e.g. 0.5,0.8,0.95")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as `moespec profile`; "
+                   "0 = torch's default)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
     from .report import build_report, machine_description, summary_lines
 
     try:
+        from ..profiling import set_threads
+
+        set_threads(args.threads)
         _validate(args)
         tree = TreeConfig.parse(args.tree)
         specs = resolve_methods(args)

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .measure import CostCurve, ForcedBudget, StepDriver, StepSample, monotone, run_interleaved, summarize
+from .measure import (CostCurve, ForcedBudget, StepDriver, StepSample, monotone, run_interleaved, summarize,
+                      trim_outliers)
 
 __all__ = ["ProfileResult", "main", "profile_model"]
 
@@ -48,6 +49,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
                   dtype: str = "float32", repeats: int = 20, warmup_rounds: int = 2, prompts: list[str] | None = None,
                   out: str | Path | None = None, seed: int = 0, show_progress: bool = True) -> ProfileResult:
     """Measure, fit and save a cost profile (returns what was written)."""
+    import torch
     from tqdm.auto import tqdm
 
     from ..api import LLM, SamplingParams
@@ -74,12 +76,15 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     with tqdm(total=total, desc=f"profile C(k), k=0..{max_k}", disable=not show_progress) as bar:
         samples = run_interleaved(driver, policy, ks, repeats, warmup_rounds, len(llm.target.moe_layers), seed, bar)
     curve = summarize(samples, max_k)
-    expert_model = ExpertCostModel.fit(np.array([s.verified_tokens for s in samples]),
-                                       np.array([s.unique_experts for s in samples]),
-                                       np.array([s.seconds for s in samples]))
+    fit_on = trim_outliers(samples)
+    expert_model = ExpertCostModel.fit(np.array([s.verified_tokens for s in fit_on]),
+                                       np.array([s.unique_experts for s in fit_on]),
+                                       np.array([s.seconds for s in fit_on]))
     method = (f"engine step (draft+select+verify+commit), top-k forced, k=0..{max_k} interleaved in random order; "
               f"median of {repeats} rounds after {warmup_rounds} warm-up rounds, non-decreasing (PAV) fit of the "
-              f"medians; spread = IQR; {len(ids)} prompts, greedy; expert fit over {len(samples)} steps")
+              f"medians; spread = IQR; {len(ids)} prompts, greedy; C(k, U) least squares over {len(fit_on)} of "
+              f"{len(samples)} steps (Tukey-fence outliers per k dropped); "
+              f"torch threads {torch.get_num_threads()}")
     table = CostTable(monotone(curve.median_s), model_id=llm.paths.model_id, device=device_name(llm.device),
                       dtype=dtype, tree=tree.as_tuple(), method=method, date=dt.datetime.now().isoformat(timespec="seconds"),
                       spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model)
@@ -133,7 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
     p.add_argument("--prompts", nargs="+", default=None, help="prompt texts (default: one per bundled dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the k interleaving order")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a shared CPU more "
+                   "threads stall in OpenMP barriers; 0 = torch's default). Bench with the same setting.")
     return p
+
+
+def set_threads(threads: int) -> int:
+    """Apply --threads (0 keeps torch's default); returns the thread count in effect."""
+    import torch
+
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        set_threads(args.threads)
         result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
                                args.repeats, args.warmup, args.prompts, args.out, args.seed)
     except (ValueError, FileNotFoundError) as e:

@@ -147,3 +147,14 @@ def monotone(costs: tuple[float, ...]) -> tuple[float, ...]:
     for s, n in blocks:
         out.extend([s / n] * int(n))
     return tuple(out)
+
+
+def trim_outliers(samples: list[StepSample]) -> list[StepSample]:
+    """Drop steps above the Tukey fence (Q3 + 1.5 IQR) of their k: load spikes from other
+    processes, which would otherwise dominate a least-squares fit of C(k, U)."""
+    keep = []
+    for k in sorted({s.verified_tokens for s in samples}):
+        group = [s for s in samples if s.verified_tokens == k]
+        q1, q3 = np.percentile([s.seconds for s in group], [25, 75])
+        keep += [s for s in group if s.seconds <= q3 + 1.5 * (q3 - q1)]
+    return keep
