@@ -143,9 +143,18 @@ def draft_root(token_ids: torch.Tensor, probs: torch.Tensor) -> tuple[DraftTree,
     token_ids, probs: [B, topk]. Returns the tree and its frontier [B, topk] (node idx).
     """
     B, topk = token_ids.shape
-    parents = torch.full((B, topk), -1, dtype=torch.int64, device=token_ids.device)
-    tree = DraftTree.from_parents(token_ids, parents, probs)
-    frontier = torch.arange(topk, device=token_ids.device).expand(B, topk).clone()
+    device = token_ids.device
+    probs = probs.float()
+    _check_probs(probs, torch.ones_like(probs, dtype=torch.bool))
+    tree = DraftTree(
+        token_ids=token_ids.long(),
+        parents=torch.full((B, topk), -1, dtype=torch.int64, device=device),
+        depth=torch.ones(B, topk, dtype=torch.int64, device=device),
+        draft_probs=probs,
+        log_scores=probs.clamp(max=1.0).log(),
+        valid=torch.ones(B, topk, dtype=torch.bool, device=device),
+    )
+    frontier = torch.arange(topk, device=device).expand(B, topk).clone()
     return tree, frontier
 
 
