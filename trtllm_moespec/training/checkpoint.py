@@ -1,5 +1,5 @@
-"""Resumable checkpoints: weights in safetensors, optimizer state via ``torch.save``
-of plain tensors (loaded back with ``weights_only=True``), progress in JSON.
+"""Resumable checkpoints: weights and optimizer tensors in safetensors (no pickle),
+optimizer hyper-parameters and progress in JSON.
 
 A checkpoint directory is written under a temporary name and renamed into place,
 so an interrupted save never leaves a half-written ``ckpt/``.
@@ -46,7 +46,7 @@ def save_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(_state_dict_untied(model), str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    _save_optimizer(optimizer, tmp)
     (tmp / "progress.json").write_text(json.dumps(asdict(progress), indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -55,12 +55,39 @@ def save_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer: torch.opti
 
 def load_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Progress:
     ckpt = out_dir / "ckpt"
-    for name in ("model.safetensors", "optimizer.pt", "progress.json"):
+    for name in ("model.safetensors", "optimizer.safetensors", "optimizer.json", "progress.json"):
         if not (ckpt / name).is_file():
             raise FileNotFoundError(f"cannot resume: {ckpt / name} is missing")
     missing, unexpected = model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        optimizer.load_state_dict(_load_optimizer(ckpt))
     return Progress(**json.loads((ckpt / "progress.json").read_text()))
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer, ckpt: Path) -> None:
+    """Per-parameter state tensors -> safetensors ("<param id>.<key>"); the rest -> JSON."""
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for pid, entries in state["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{pid}.{key}"] = value.detach().contiguous()
+            else:
+                scalars[f"{pid}.{key}"] = value
+    save_file(tensors, str(ckpt / "optimizer.safetensors"))
+    (ckpt / "optimizer.json").write_text(json.dumps({"param_groups": state["param_groups"], "scalars": scalars}))
+
+
+def _load_optimizer(ckpt: Path) -> dict:
+    meta = json.loads((ckpt / "optimizer.json").read_text())
+    state: dict[int, dict] = {}
+    for name, tensor in load_file(str(ckpt / "optimizer.safetensors")).items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = tensor
+    for name, value in meta["scalars"].items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
