@@ -45,9 +45,17 @@ def export_target(run_dir: Path, tokenizer_dir: Path, out_dir: Path) -> Path:
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
+    _make_readable(out_dir)
     AutoModelForCausalLM.from_pretrained(out_dir)
     AutoTokenizer.from_pretrained(out_dir)
     return out_dir
+
+
+def _make_readable(directory: Path) -> None:
+    """safetensors writes 0600 files; packaged assets must be world-readable."""
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def export_predictor(run_dir: Path, out_dir: Path) -> Path:
@@ -58,5 +66,6 @@ def export_predictor(run_dir: Path, out_dir: Path) -> Path:
     model.load_state_dict(load_file(str(run_dir / "ckpt" / "model.safetensors")))
     shutil.rmtree(out_dir, ignore_errors=True)
     ExpertPredictor(model).save(out_dir, dtype=torch.float16)
+    _make_readable(out_dir)
     ExpertPredictor.load(out_dir)
     return out_dir
