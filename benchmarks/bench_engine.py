@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
 
     ar = LLM(args.model, policy="ar")
     hf = ar.target.model
-    ids = ar._as_batch([PROMPT])[0]
+    ids = ar.encode([PROMPT])[0]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ar.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))
     _hf_generate(hf, ids, 8)

@@ -24,7 +24,7 @@ from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
-from .engine.stats import GenerationStats
+from .engine.stats import GenerationStats, StepStats
 from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, resolve_model
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
@@ -68,6 +68,7 @@ class RequestOutput:
     text: str  # "" when the model has no tokenizer
     finish_reason: str  # "length" | "stop"
     stats: GenerationStats
+    steps: tuple[StepStats, ...] = ()  # per-iteration records
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (str or token-id list); one request at a time."""
         params = sampling_params or SamplingParams()
-        batch = self._as_batch(prompts)
+        batch = self.encode(prompts)
         outputs = []
         for ids in tqdm(batch, desc="generate", disable=not use_tqdm):
             events = list(self._events(ids, params))
@@ -151,7 +152,7 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Yield text as tokens are committed; the last event carries the RequestOutput."""
-        batch = self._as_batch([prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt)
+        batch = self.encode([prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt)
         if len(batch) != 1:
             raise ValueError("stream() takes one prompt")
         yield from self._events(batch[0], sampling_params or SamplingParams())
@@ -166,17 +167,18 @@ class LLM:
 
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        request = self._request(ids, params)
+        request = self.make_request(ids, params)
         sent_text = ""
         for new in self.engine.run(request):
             text = self._decode(request.output_ids)
             delta, sent_text = text[len(sent_text):], text
             yield StreamEvent(list(new), delta)
         out = RequestOutput(list(ids), list(request.output_ids), self._decode(request.output_ids),
-                            request.finish_reason or "length", request.stats())
+                            request.finish_reason or "length", request.stats(), tuple(request.steps))
         yield StreamEvent([], "", out)
 
-    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+    def make_request(self, ids: list[int], params: SamplingParams) -> Request:
+        """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
         limit = self.target.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the model's "
@@ -203,7 +205,8 @@ class LLM:
 
         return check
 
-    def _as_batch(self, prompts) -> list[list[int]]:
+    def encode(self, prompts) -> list[list[int]]:
+        """Prompts (str or token ids, one or many) -> checked token-id lists."""
         if isinstance(prompts, str) or _is_ids(prompts):
             prompts = [prompts]
         batch = []

@@ -82,7 +82,7 @@ class MethodRunner:
         self.spec, self.llm = spec, llm
 
     def generate(self, prompt_ids: list[int], params) -> Generation:
-        request: Request = self.llm._request(prompt_ids, params)
+        request: Request = self.llm.make_request(prompt_ids, params)
         for _ in self.llm.engine.run(request):
             pass
         return Generation(list(request.output_ids), request.stats(), list(request.steps))

@@ -70,7 +70,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     policy = ForcedBudget(max_k)
     llm.engine.policy = policy  # the engine's step path, with the selection forced to top-k
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
-    driver = StepDriver(llm.engine, lambda p: llm._request(p, params), ids, min_remaining=tree.steps + 2)
+    driver = StepDriver(llm.engine, lambda p: llm.make_request(p, params), ids, min_remaining=tree.steps + 2)
     ks = list(range(max_k + 1))
     total = (repeats + warmup_rounds) * len(ks)
     with tqdm(total=total, desc=f"profile C(k), k=0..{max_k}", disable=not show_progress) as bar:
