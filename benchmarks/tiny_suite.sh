@@ -9,7 +9,7 @@ moespec profile --model moespec-tiny --repeats 20 | tee "$OUT/profile.txt"
 cp trtllm_moespec/assets/moespec-tiny/cost_profile.json "$OUT/cost_profile.json"
 moespec bench --model moespec-tiny --datasets humaneval,mt_bench,gsm8k \
   --methods ar,lookahead,eagle3,ddd,coverage,evict,ecospec,joint,oracle --temperature 0,1 \
-  --num-prompts 10 --max-tokens 64 --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
+  --num-prompts 8 --max-tokens 64 --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 moespec bench --model moespec-tiny --datasets humaneval --methods ar,eagle3,ecospec,joint,coverage --temperature 0 \
-  --num-prompts 10 --max-tokens 64 --ecospec-global --gamma-sweep 3,4,5,6 --predictor-ablation --rho-sweep 0.5,0.8,0.95 \
+  --num-prompts 8 --max-tokens 64 --ecospec-global --gamma-sweep 3,4,5,6 --predictor-ablation --rho-sweep 0.5,0.8,0.95 \
   --json "$OUT/ablations.json" --markdown "$OUT/ablations.md" --plots "$OUT/ablation_plots"

@@ -12,7 +12,7 @@ checked here, before any long work, with errors that say how to fix the problem.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -105,6 +105,9 @@ class LLM:
         if not isinstance(tree, TreeConfig):
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
         self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
+            # Ours reads routing off the drafter's hidden state: no extra forward per step.
+            self.paths = replace(self.paths, predictor=self.paths.predictor_head)
         self.policy_name, self.tree, self.device, self.dtype = policy, tree, torch.device(device), dtype
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")

@@ -24,9 +24,10 @@ PROFILE_NAME = "cost_profile.json"
 class ModelPaths:
     target: Path  # Hugging Face checkpoint directory
     draft: Path | None  # EAGLE-3 drafter directory
-    predictor: Path | None  # expert predictor directory
+    predictor: Path | None  # expert predictor directory (EcoSpec's standalone predictor by default)
     model_id: str  # what cost profiles are keyed by
     cost_profile: Path  # where the model's own profile lives (may not exist yet)
+    predictor_head: Path | None = None  # our draft-head predictor shipped with the model, if any
 
 
 def resolve_model(model: str, draft_model: str | None = None, predictor: str | None = None) -> ModelPaths:
@@ -36,18 +37,19 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
         p = tiny_model_paths()
         target, draft, pred, model_id = p["target"], p["draft"], p["predictor"], TINY
         profile = p["target"].parent / PROFILE_NAME
+        head = p["predictor_head"] if p["predictor_head"].is_dir() else None
     else:
         target = Path(model).expanduser()
         if not target.is_dir():
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
                                     f"only; use '{TINY}' for the embedded default)")
-        draft, pred, model_id, profile = None, None, target.resolve().name, target / PROFILE_NAME
+        draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
     if draft_model is not None:
         draft = _existing_dir(draft_model, "draft model")
     if predictor is not None and predictor != "oracle":
-        pred = _existing_dir(predictor, "expert predictor")
+        pred = head = _existing_dir(predictor, "expert predictor")
     return ModelPaths(target, draft if draft is None or draft.is_dir() else None,
-                      pred if pred is None or pred.is_dir() else None, model_id, profile)
+                      pred if pred is None or pred.is_dir() else None, model_id, profile, head)
 
 
 def _existing_dir(path: str | Path, what: str) -> Path:
