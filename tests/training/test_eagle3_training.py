@@ -145,3 +145,25 @@ def test_train_resume_export_and_load(target_dir, data_dir, tmp_path) -> None:
         load_eagle3(out, target=TargetModel(Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=VOCAB * 2, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))))
+
+
+ASSETS = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"
+
+
+@pytest.mark.skipif(not (ASSETS / "eagle3" / "config.json").is_file(), reason="no shipped drafter")
+def test_shipped_drafter_and_head_predictor_load_on_the_shipped_target() -> None:
+    from trtllm_moespec.resolve import ModelPaths, load_predictor
+    from trtllm_moespec.engine.predictors import HeadExperts
+
+    target = TargetModel.load(ASSETS / "target")
+    drafter = load_eagle3(ASSETS / "eagle3", target=target)
+    assert drafter.embed_tokens is target.input_embeddings()  # shared, not shipped
+    tensors = load_file(str(ASSETS / "eagle3" / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors and tensors["fc.weight"].dtype == torch.float16
+    paths = ModelPaths(ASSETS / "target", ASSETS / "eagle3", ASSETS / "predictor-head", "moespec-tiny", ASSETS / "x")
+    assert isinstance(load_predictor(None, paths, target), HeadExperts)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    pre = target.prefill(target.new_cache(), ids)
+    cache = drafter.new_cache()
+    drafter.prefill(cache, ids, pre.hidden, next_token=int(pre.logits[0, -1].argmax()))
+    assert drafter.draft_tree(cache, steps=4, topk=8).tree.num_nodes == 8 + 3 * 64

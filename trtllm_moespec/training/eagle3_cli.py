@@ -25,6 +25,7 @@ def add_subcommands(sub, asset_dir: Path) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--selfgen", type=int, default=0, help="self-distillation windows (target greedy continuations; slow here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true")
@@ -73,7 +74,8 @@ def cmd_eagle3(args: argparse.Namespace) -> None:
     from .train_eagle3 import Eagle3TrainConfig, train_eagle3
 
     cfg = Eagle3TrainConfig(minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
-                            ttt_steps=args.ttt_steps, peak_lr=args.lr, seed=args.seed)
+                            ttt_steps=args.ttt_steps, peak_lr=args.lr, seed=args.seed,
+                            selfgen_sequences=args.selfgen)
     _, final = train_eagle3(args.target, args.data, args.out, cfg, resume=args.resume)
     print(f"eagle3: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s, "
           f"held-out loss {final.best_heldout_loss:.4f}")

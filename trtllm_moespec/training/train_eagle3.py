@@ -67,7 +67,7 @@ class Eagle3TrainConfig:
     eval_every_s: float = 240.0
     ckpt_every_s: float = 180.0
     eval_windows: int = 16  # held-out windows of seq_len tokens
-    selfgen_sequences: int = 768  # target-generated (greedy) windows for self-distillation; 0 = corpus only
+    selfgen_sequences: int = 0  # target-generated (greedy) windows for self-distillation; 0 = corpus only (shipped build)
     selfgen_prompt_len: int = 64  # corpus tokens before each greedy continuation
     selfgen_fraction: float = 0.5  # share of each batch drawn from the self-generated windows
     seed: int = 0
@@ -158,7 +158,7 @@ def evaluate(drafter: Eagle3Drafter, target: TargetModel, windows: torch.Tensor,
 
 @torch.no_grad()
 def build_selfgen(target: TargetModel, stream: np.ndarray, cfg: Eagle3TrainConfig, path: Path,
-                  batch_size: int = 64) -> np.ndarray:
+                  batch_size: int = 32) -> np.ndarray:
     """[N, seq_len] uint16 windows: `selfgen_prompt_len` corpus tokens + the target's greedy continuation
     (end-of-text ignored, as in the acceptance runs). Cached at `path`."""
     if path.is_file():
