@@ -1,0 +1,46 @@
+"""The shipped moespec-tiny family: every policy is exact against transformers' greedy generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.assets import tiny_model_paths
+
+PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n"]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def references():
+    path = tiny_model_paths()["target"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    refs = []
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.mark.parametrize("policy,drafter", [("ar", "eagle3"), ("eagle3", "eagle3"), ("ddd", "eagle3"),
+                                            ("evict", "eagle3"), ("ecospec", "eagle3"), ("joint", "eagle3"),
+                                            ("coverage", "eagle3"), ("oracle", "eagle3"), ("eagle3", "ngram")])
+def test_every_policy_is_exact_on_the_shipped_model(references, policy, drafter):
+    llm = LLM("moespec-tiny", policy=policy, drafter=drafter)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    for out, ref in zip(outs, references):
+        assert out.token_ids == ref
+        assert out.text and out.stats.num_tokens == MAX_TOKENS
+
+
+def test_default_llm_uses_the_shipped_drafter_profile_and_head_predictor():
+    llm = LLM("moespec-tiny")
+    assert llm.policy.name == "joint" and llm.paths.predictor.name == "predictor-head"
+    out = llm.generate(["def fibonacci(n):\n"], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert out.stats.mean_accepted_tokens > 1.0  # the trained drafter really gets tokens accepted
+    assert out.stats.predictor_topk_acc is not None and out.stats.predictor_topk_acc > 0.5
