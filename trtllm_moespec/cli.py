@@ -37,6 +37,9 @@ def _llm_from_args(args):
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the CLI streams text; weight-loading bars would interleave with it
 
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=TreeConfig.parse(args.tree),
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
