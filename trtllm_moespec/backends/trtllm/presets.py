@@ -170,13 +170,13 @@ def preset_from_hf_config(cfg: dict[str, Any], source: Path) -> ModelPreset:
         raise ValueError(f"{source}: architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
     heads = int(_require(cfg, "num_attention_heads", source))
     hidden = int(_require(cfg, "hidden_size", source))
+    # transformers 5.x writes Qwen3-MoE's expert count as num_local_experts; 4.x and the Hub use num_experts.
+    num_experts = int(cfg.get("num_local_experts") or _require(cfg, "num_experts", source))
     if arch == "GptOssForCausalLM":
-        num_experts = int(cfg.get("num_local_experts") or _require(cfg, "num_experts", source))
         top_k = int(cfg.get("num_experts_per_tok") or _require(cfg, "experts_per_token", source))
         moe_inter = int(_require(cfg, "intermediate_size", source))
         window = cfg.get("sliding_window")
     else:
-        num_experts = int(_require(cfg, "num_experts", source))
         top_k = int(_require(cfg, "num_experts_per_tok", source))
         moe_inter = int(_require(cfg, "moe_intermediate_size", source))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
