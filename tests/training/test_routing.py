@@ -51,4 +51,5 @@ def test_cost_curve_shapes(model: Qwen3MoeForCausalLM) -> None:
     assert [p.k for p in points] == [1, 8]
     assert points[0].unique_experts == 2
     assert 2 <= points[1].unique_experts <= 8
-    assert all(p.seconds > 0 and 0 <= p.moe_seconds <= p.seconds for p in points)
+    # Totals and MoE times are separate timed passes (a noisy machine can order them either way).
+    assert all(p.seconds > 0 and p.moe_seconds > 0 for p in points)
