@@ -72,6 +72,8 @@ def verify_tree(
     if uniforms is None:
         uniforms = draw_uniforms(B, T, generators)
     uniforms = uniforms.to(device=target_logits.device, dtype=torch.float32)
+    if T == 1:  # no draft nodes: a plain decoding step
+        return _plain_step(layout, target_logits, configs, uniforms)
     children = _children(layout)  # [B, T, C]
     D = layout.max_depth
     rows = torch.arange(B, device=target_logits.device)
@@ -99,6 +101,22 @@ def verify_tree(
         if bool(done.all()):
             break
     return _result(layout, accepted_pos, num_accepted, bonus)
+
+
+def _plain_step(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],
+                uniforms: torch.Tensor) -> VerifyResult:
+    """Emit one token from p(root): the same rule with no children to test."""
+    B = layout.batch_size
+    cur = torch.zeros(B, dtype=torch.int64, device=target_logits.device)
+    if all(c.greedy for c in configs):
+        logits = target_logits[:, 0]
+        if not torch.isfinite(logits).all():
+            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        token = logits.argmax(-1)
+    else:
+        token = sample_from_probs(_probs_at(target_logits, cur, configs), uniforms[:, -1])
+    empty = torch.zeros(B, 0, dtype=torch.int64, device=cur.device)
+    return VerifyResult(empty, cur.clone(), token[:, None], cur + 1)
 
 
 def _greedy_step(layout: TreeLayout, logits: torch.Tensor, kids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,12 +15,12 @@ class StepStats:
     accepted_tokens: int  # draft nodes accepted
     committed_tokens: int  # tokens emitted: accepted + bonus (Mat counts this)
     unique_experts_per_layer: float  # mean over MoE layers of distinct experts the verify forward woke
-    draft_ms: float
+    draft_ms: float  # drafter forwards: the tree, plus extending its cache by the committed tokens
     predictor_ms: float
     select_ms: float
     verify_ms: float  # target forward + acceptance rule
     target_ms: float  # the target forward alone (part of verify_ms)
-    commit_ms: float  # KV compaction of target and drafter
+    commit_ms: float  # target KV compaction
     step_ms: float  # wall time of the whole iteration
     predictor_hits: int = 0  # predicted (layer, expert) pairs that the target really used, accepted nodes
     predictor_total: int = 0  # predicted pairs checked
