@@ -13,12 +13,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
 import numpy as np
 import torch
 
+from benchmarks.bench_select_kernels import time_us
 from trtllm_moespec.core import (CostTable, ExpertCostModel, ExpertSets, SamplingConfig, build_layout, draft_root,
                                  grow_tree, make_policy, top_k_nodes, verify_tree)
 
@@ -33,17 +32,6 @@ def _eagle_tree(rng, steps: int, topk: int, vocab: int = 1000):
     for _ in range(steps - 1):
         tree, frontier = grow_tree(tree, frontier, *step((1, topk)), topk)
     return tree
-
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
 
 
 def main(argv=None) -> dict:
@@ -65,7 +53,7 @@ def main(argv=None) -> dict:
         "joint": make_policy("joint", cost_model=ExpertCostModel(1.0, 0.01, 0.002), budget=64),
         "eagle3": make_policy("eagle3", budget=32),
     }
-    results = {f"{name}_ms": _time(lambda p=p: p.select(tree, experts, root), args.repeats) for name, p in policies.items()}
+    results = {f"{name}_ms": time_us(lambda p=p: p.select(tree, experts, root), args.repeats) / 1e3 for name, p in policies.items()}
 
     vocab = 150_000
     tree32 = _eagle_tree(rng, steps=4, topk=4)
@@ -74,7 +62,7 @@ def main(argv=None) -> dict:
     gens = [torch.Generator().manual_seed(0)]
     for temp in (0.0, 1.0):
         cfg = [SamplingConfig(temperature=temp)]
-        results[f"verify32_v150k_T{temp:g}_ms"] = _time(lambda c=cfg: verify_tree(layout, logits, c, gens), max(20, args.repeats // 10))
+        results[f"verify32_v150k_T{temp:g}_ms"] = time_us(lambda c=cfg: verify_tree(layout, logits, c, gens), max(20, args.repeats // 10)) / 1e3
     results.update(num_nodes=tree.num_nodes, load_average=os.getloadavg()[0], layers=L, experts=E, machine=platform.processor() or platform.machine(),
                    torch=torch.__version__, threads=torch.get_num_threads())
     print("core speed on this CPU (median ms per request):")
