@@ -89,10 +89,10 @@ def load_cost_profile(policy: str, cost_profile, paths: ModelPaths, device: str,
 
 
 def _roofline_profile(spec: str, paths: ModelPaths, tree: TreeConfig) -> CostTable:
-    import json
+    from .models.checkpoint import read_config_json
 
     _, _, device = spec.partition(":")
-    cfg = json.loads((paths.target / "config.json").read_text())
+    cfg = read_config_json(paths.target, "target checkpoint")
     arch = MoEArchitecture(
         name=paths.model_id, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         num_heads=cfg["num_attention_heads"], num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),

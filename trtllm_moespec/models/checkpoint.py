@@ -25,18 +25,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def check_safetensors_dir(path: Path, what: str) -> dict:
-    """Validate a checkpoint directory and return its config.json as a dict."""
+def read_config_json(path: str | Path, what: str) -> dict:
+    """config.json of a local checkpoint directory, with errors that name the problem."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{what} directory not found: {path}")
+        raise FileNotFoundError(f"{what} directory not found: {path} (it does not exist; nothing is downloaded, "
+                                "give a local path)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{what} has no config.json: {path}")
     try:
-        config = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} config.json is not valid JSON ({config_file}): {e}") from None
+
+
+def check_safetensors_dir(path: Path, what: str) -> dict:
+    """Validate a checkpoint directory and return its config.json as a dict."""
+    path = Path(path)
+    config = read_config_json(path, what)
     for shard in safetensors_files(path, what):
         check_safetensors_file(shard, what)
     return config

@@ -12,7 +12,6 @@ them, (1, L//2-1, L-4), which is also its default `eagle3_layers_to_capture`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,16 +198,9 @@ def preset_from_hf_config(cfg: dict[str, Any], source: Path) -> ModelPreset:
 
 def load_hf_config(directory: str | Path) -> dict[str, Any]:
     """Read `config.json` of a local checkpoint directory (FileNotFoundError if absent)."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist (nothing is downloaded; give a local path)")
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        return json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    from ...models.checkpoint import read_config_json
+
+    return read_config_json(directory, "checkpoint")
 
 
 def resolve_model(model: str) -> ModelPreset:
