@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...core.presets import architecture as core_architecture
+
 # The EVICT paper's tree: 4 drafting steps, top-8 per step, 32 verified draft tokens.
 DEFAULT_TREE_STEPS = 4
 DEFAULT_TREE_TOPK = 8
@@ -83,75 +85,28 @@ class ModelPreset:
         return ModelPreset(**fields, tree=tree)
 
 
+def _preset(name: str, architecture: str, hf_id: str, tp: int, ep: int, draft: str | None = None) -> ModelPreset:
+    """A serving preset on top of the core's architecture facts (one source of model numbers)."""
+    a = core_architecture(name)
+    return ModelPreset(
+        name=name, architecture=architecture, hf_id=hf_id, num_layers=a.num_layers, hidden_size=a.hidden_size,
+        num_attention_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+        num_experts=a.num_experts, experts_per_token=a.top_k, moe_intermediate_size=a.moe_intermediate_size,
+        vocab_size=a.vocab_size, sliding_window=a.sliding_window, recommended_tp=tp, recommended_ep=ep,
+        suggested_draft=draft,
+    )
+
+
 PRESETS: dict[str, ModelPreset] = {
-    "qwen3-30b-a3b": ModelPreset(
-        name="qwen3-30b-a3b",
-        architecture="Qwen3MoeForCausalLM",
-        hf_id="Qwen/Qwen3-30B-A3B-Instruct-2507",
-        num_layers=48,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        num_experts=128,
-        experts_per_token=8,
-        moe_intermediate_size=768,
-        vocab_size=151936,
-        recommended_tp=1,  # ~61 GB of bf16 weights: one H100/H200
-        recommended_ep=1,
-        suggested_draft="lmsys/SGLang-EAGLE3-Qwen3-30B-A3B-Instruct-2507-SpecForge-Nex",
-    ),
-    "qwen3-235b-a22b": ModelPreset(
-        name="qwen3-235b-a22b",
-        architecture="Qwen3MoeForCausalLM",
-        hf_id="Qwen/Qwen3-235B-A22B-Instruct-2507",
-        num_layers=94,
-        hidden_size=4096,
-        num_attention_heads=64,
-        num_kv_heads=4,
-        head_dim=128,
-        num_experts=128,
-        experts_per_token=8,
-        moe_intermediate_size=1536,
-        vocab_size=151936,
-        recommended_tp=8,  # ~470 GB of bf16 weights: 8 GPUs, experts sharded by EP
-        recommended_ep=8,
-        suggested_draft="lmsys/SGLang-EAGLE3-Qwen3-235B-A22B-Instruct-2507-SpecForge-Meituan",
-    ),
-    "gpt-oss-20b": ModelPreset(
-        name="gpt-oss-20b",
-        architecture="GptOssForCausalLM",
-        hf_id="openai/gpt-oss-20b",
-        num_layers=24,
-        hidden_size=2880,
-        num_attention_heads=64,
-        num_kv_heads=8,
-        head_dim=64,
-        num_experts=32,
-        experts_per_token=4,
-        moe_intermediate_size=2880,
-        vocab_size=201088,
-        sliding_window=128,
-        recommended_tp=1,
-        recommended_ep=1,
-    ),
-    "gpt-oss-120b": ModelPreset(
-        name="gpt-oss-120b",
-        architecture="GptOssForCausalLM",
-        hf_id="openai/gpt-oss-120b",
-        num_layers=36,
-        hidden_size=2880,
-        num_attention_heads=64,
-        num_kv_heads=8,
-        head_dim=64,
-        num_experts=128,
-        experts_per_token=4,
-        moe_intermediate_size=2880,
-        vocab_size=201088,
-        sliding_window=128,
-        recommended_tp=1,  # MXFP4 experts fit one 80 GB GPU; EP spreads experts when tp > 1
-        recommended_ep=1,
-    ),
+    # ~61 GB of bf16 weights: one H100/H200
+    "qwen3-30b-a3b": _preset("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B-Instruct-2507", 1, 1,
+                             "lmsys/SGLang-EAGLE3-Qwen3-30B-A3B-Instruct-2507-SpecForge-Nex"),
+    # ~470 GB of bf16 weights: 8 GPUs, experts sharded by EP
+    "qwen3-235b-a22b": _preset("qwen3-235b-a22b", "Qwen3MoeForCausalLM", "Qwen/Qwen3-235B-A22B-Instruct-2507", 8, 8,
+                               "lmsys/SGLang-EAGLE3-Qwen3-235B-A22B-Instruct-2507-SpecForge-Meituan"),
+    "gpt-oss-20b": _preset("gpt-oss-20b", "GptOssForCausalLM", "openai/gpt-oss-20b", 1, 1),
+    # MXFP4 experts fit one 80 GB GPU; EP spreads experts when tp > 1
+    "gpt-oss-120b": _preset("gpt-oss-120b", "GptOssForCausalLM", "openai/gpt-oss-120b", 1, 1),
 }
 
 
