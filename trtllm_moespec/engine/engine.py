@@ -24,6 +24,7 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, NoDraft
+from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
 
@@ -147,10 +148,7 @@ class SpecEngine:
 
     def _oracle_scores(self, cache, tree: DraftTree, root: int, request: Request) -> torch.Tensor:
         """Analysis only: the target's probability of each node given its path (one extra forward)."""
-        order = torch.arange(tree.num_nodes, device=tree.token_ids.device)[None]
-        full = build_layout(tree, torch.where(tree.valid, order, -1), torch.tensor([root], device=order.device))
-        out = self.target.verify(cache, full)
-        self.target.discard(cache)
+        full, out = peek_full_tree(self.target, cache, tree, root)
         probs = target_probs(out.logits[0], request.sampling)  # [1+N, V]
         parent_pos = full.parent_pos[0].clamp(min=0)
         local = probs[parent_pos, full.token_ids[0]][1:]

@@ -15,6 +15,18 @@ from ..core.layout import build_layout
 from ..core.tree import DraftTree
 
 
+def peek_full_tree(target, cache, tree: DraftTree, root: int):
+    """Analysis only: one target forward over the root and every drafted node, then discarded.
+
+    Returns (layout, TargetOutput); the cache is left exactly as it was.
+    """
+    order = torch.arange(tree.num_nodes, device=tree.token_ids.device)[None]
+    layout = build_layout(tree, torch.where(tree.valid, order, -1), torch.tensor([root], device=order.device))
+    out = target.verify(cache, layout)
+    target.discard(cache)
+    return layout, out
+
+
 class LearnedExperts:
     def __init__(self, predictor, num_experts: int):
         self.predictor, self.num_experts = predictor, num_experts
@@ -31,10 +43,7 @@ class OracleExperts:
         self.target = target
 
     def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
-        order = torch.arange(tree.num_nodes, device=tree.token_ids.device)[None]
-        layout = build_layout(tree, torch.where(tree.valid, order, -1), torch.tensor([context[-1]], device=order.device))
-        out = self.target.verify(cache, layout)
-        self.target.discard(cache)
+        _, out = peek_full_tree(self.target, cache, tree, context[-1])
         ids = out.expert_ids  # [1, 1+N, L, topk]
         experts = ExpertSets.from_topk_ids(ids[:, 1:], self.target.num_experts)
         return experts, pack_expert_ids(ids[:, 0], self.target.num_experts)
