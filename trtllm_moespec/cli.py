@@ -103,6 +103,7 @@ def _add_optional_commands(sub) -> None:
         ("bench", "trtllm_moespec.bench", "benchmark every method side by side (also: python -m benchmarks.run)"),
         ("build", "trtllm_moespec.backends.trtllm.build", "write a TensorRT-LLM engine directory"),
         ("triton-repo", "trtllm_moespec.runtime.triton_repo", "write a Triton Inference Server model repository"),
+        ("serve", "trtllm_moespec.serve.server", "OpenAI-compatible HTTP server (continuous batching)"),
     ):
         p = sub.add_parser(name, help=help_text, add_help=False)
         p.set_defaults(func=lambda args, extra, m=module: importlib.import_module(m).main(extra), passthrough=True)

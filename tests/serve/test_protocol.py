@@ -1,0 +1,75 @@
+"""OpenAI request bodies: defaults, vLLM extras, and refusals that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtllm_moespec.serve.protocol import BadRequest, parse_chat, parse_completion
+
+
+def test_completion_defaults_follow_openai():
+    req = parse_completion({"prompt": "hi"})
+    assert req.prompts == ("hi",)
+    assert req.max_tokens == 16 and req.params.max_tokens == 16
+    assert req.params.temperature == 1.0 and req.params.top_p == 1.0 and req.params.top_k == 0
+    assert not req.stream and not req.include_usage and req.params.seed is None
+
+
+def test_vllm_extras_are_accepted():
+    req = parse_completion({"prompt": [[1, 2], [3]], "top_k": 5, "seed": 7, "ignore_eos": True, "stop": "\n",
+                            "temperature": 0, "max_tokens": 3, "stream": True,
+                            "stream_options": {"include_usage": True}, "user": "x"})
+    assert req.prompts == ((1, 2), (3,))
+    assert req.params.top_k == 5 and req.params.seed == 7 and req.params.ignore_eos
+    assert req.params.stop == ("\n",) and req.stream and req.include_usage
+    assert parse_completion({"prompt": "a", "top_k": -1}).params.top_k == 0  # vLLM's "off"
+
+
+def test_chat_defaults_to_the_rest_of_the_context():
+    req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text", "text": "b"}]}]})
+    assert req.max_tokens is None and req.messages == ({"role": "user", "content": "ab"},)
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4}).max_tokens == 4
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "seed": 1.5}, "seed"),
+    ({"prompt": "a", "stop": ["", "x"]}, "stop"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "logprobs": 3}, "logprobs"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({}, "prompt"),
+])
+def test_bad_completion_fields_name_the_field(body, param):
+    with pytest.raises(BadRequest) as e:
+        parse_completion(body)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "a", "temperature": -1},
+    {"prompt": "a", "top_p": 0},
+])
+def test_bad_sampling_values_are_refused(body):
+    with pytest.raises(BadRequest, match="temperature|top_p"):
+        parse_completion(body)
+
+
+@pytest.mark.parametrize("body", [
+    [1, 2], {"messages": []}, {"messages": [{"content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    {"messages": [{"role": "user", "content": 3}]},
+])
+def test_bad_chat_bodies(body):
+    with pytest.raises(BadRequest):
+        parse_chat(body)

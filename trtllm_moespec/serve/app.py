@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/completions, /v1/chat/completions (SSE
+streaming), /v1/models, /health, /metrics.
+
+Handlers only translate: they check the body (400 on bad input), tokenize, hand engine
+requests to the `Scheduler` and turn its events into OpenAI responses. A streaming
+client that disconnects has its requests cancelled (their batch slots freed); a
+non-streaming one is polled for disconnection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..api import LLM
+from ..engine.engine import Request
+from .detokenize import TextStream
+from .protocol import BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion, usage
+from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
+
+
+@dataclass
+class _Choice:
+    """One prompt of an HTTP request, as the handler follows it."""
+
+    index: int
+    request: Request
+    text: TextStream
+    ticket: Ticket | None = None
+    ids: list[int] = field(default_factory=list)  # tokens as delivered (the request's own list is the engine's)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Server:
+    """The app's state: the model (for tokenization and limits) and the scheduler."""
+
+    def __init__(self, llm: LLM, scheduler: Scheduler, model_name: str, chat_template: str | None = None):
+        self.llm = llm
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.created = now()
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe under concurrent encode
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, req: GenerationRequest) -> list[_Choice]:
+        """Tokenize and check every prompt of a request (ValueError -> 400)."""
+        if req.model is not None and req.model != self.model_name:
+            raise LookupError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}'")
+        with self._tokenizer_lock:
+            batch = self.llm.encode(list(req.prompts)) if req.prompts else [self._chat_ids(req.messages)]
+        choices = []
+        for i, ids in enumerate(batch):
+            params = req.params
+            if req.max_tokens is None:  # chat default: the rest of the context
+                params = replace(params, max_tokens=max(self.llm.target.max_position_embeddings - len(ids), 1))
+            request = self.llm.make_request(ids, params)
+            if request.stop_check is not None:
+                request.stop_check = self._locked(request.stop_check)
+            choices.append(_Choice(i, request, TextStream(self.decode, params.stop)))
+        return choices
+
+    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        tokenizer = self.llm.tokenizer
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if tokenizer is None or not template:
+            raise ValueError(f"the model '{self.model_name}' has no chat template; use /v1/completions or start the "
+                             "server with --chat-template FILE")
+        ids = tokenizer.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        if not ids:
+            raise ValueError("the chat template produced an empty prompt")
+        return [int(t) for t in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._tokenizer_lock:
+            return self.llm._decode(ids)
+
+    def _locked(self, check):
+        def locked_check(output_ids: list[int]) -> int | None:
+            with self._tokenizer_lock:
+                return check(output_ids)
+
+        return locked_check
+
+    def submit(self, choices: list[_Choice]) -> asyncio.Queue:
+        """Queue every choice; on QueueFull the ones already queued are cancelled."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        for choice in choices:
+            def sink(event, index=choice.index):
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the event loop closed (server shut down): nobody listens any more
+                    pass
+            try:
+                choice.ticket = self.scheduler.submit(choice.request, sink)
+            except QueueFull:
+                self.cancel(choices)
+                raise
+        return events
+
+    def cancel(self, choices: list[_Choice]) -> None:
+        for choice in choices:
+            if choice.ticket is not None:
+                self.scheduler.cancel(choice.ticket)
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app around a started scheduler."""
+    app = FastAPI(title="moespec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health():
+        if not server.scheduler.alive:
+            return JSONResponse({"status": "scheduler stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "moespec", "max_model_len":
+                                            server.llm.target.max_position_embeddings}]}
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await _generate(server, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await _generate(server, http, chat=True)
+
+    return app
+
+
+async def _generate(server: Server, http: HttpRequest, chat: bool):
+    try:
+        body = json.loads(await http.body())
+    except (ValueError, UnicodeDecodeError):
+        return _error(400, "the request body is not valid JSON")
+    try:
+        req = parse_chat(body) if chat else parse_completion(body)
+        choices = server.prepare(req)
+    except BadRequest as e:
+        return _error(400, str(e), param=e.param)
+    except LookupError as e:
+        return _error(404, str(e), code="model_not_found")
+    except ValueError as e:
+        return _error(400, str(e))
+    if req.stream and chat and len(choices) != 1:
+        return _error(400, "chat requests generate one choice")
+    try:
+        events = server.submit(choices)
+    except QueueFull as e:
+        return _error(503, str(e), kind="server_overloaded")
+    rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    if req.stream:
+        return StreamingResponse(_stream(server, choices, events, rid, created, chat, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        await _wait_all(choices, events, http)
+    finally:
+        server.cancel([c for c in choices if c.finish_reason is None])
+    failed = [c for c in choices if c.error is not None]
+    if failed:
+        return _error(500, failed[0].error, kind="internal_error")
+    return _final(server, choices, rid, created, chat)
+
+
+async def _wait_all(choices: list[_Choice], events: asyncio.Queue, http: HttpRequest) -> None:
+    """Collect events until every choice finished; return early if the client disconnects."""
+    while any(c.finish_reason is None for c in choices):
+        try:
+            index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return
+            continue
+        _apply(choices[index], event)
+
+
+def _apply(choice: _Choice, event: TokenEvent | FinishEvent) -> None:
+    if isinstance(event, TokenEvent):
+        choice.ids.extend(event.token_ids)
+    else:  # after this event the engine no longer touches choice.request
+        choice.finish_reason = event.reason
+        choice.error = event.error
+
+
+def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat: bool) -> dict:
+    out = []
+    for c in choices:
+        text = server.decode(c.request.output_ids)
+        if chat:
+            out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": c.finish_reason})
+        else:
+            out.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+    prompt = sum(len(c.request.prompt_ids) for c in choices)
+    completion = sum(len(c.request.output_ids) for c in choices)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
+
+
+async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue, rid: str, created: int,
+                  chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: deltas as tokens commit, a finishing chunk per choice, [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice_list: list[dict], **extra) -> str:
+        return _sse({"id": rid, "object": kind, "created": created, "model": server.model_name,
+                     "choices": choice_list, **extra})
+
+    def piece(c: _Choice, text: str, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    try:
+        if chat:
+            yield chunk([piece(c, "", None, first=True) for c in choices])
+        while any(c.finish_reason is None for c in choices):
+            index, event = await events.get()
+            c = choices[index]
+            _apply(c, event)
+            if c.error is not None:
+                yield _sse(error_body(c.error, kind="internal_error"))
+                return
+            if isinstance(event, TokenEvent):
+                delta = c.text.push(c.ids)
+                if delta:
+                    yield chunk([piece(c, delta, None)])
+            else:
+                yield chunk([piece(c, c.text.finish(c.request.output_ids), c.finish_reason)])
+        if include_usage:
+            prompt = sum(len(c.request.prompt_ids) for c in choices)
+            completion = sum(len(c.request.output_ids) for c in choices)
+            yield chunk([], usage=usage(prompt, completion))
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, error, or the client went away (the task is cancelled)
+        server.cancel([c for c in choices if c.finish_reason is None])
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)

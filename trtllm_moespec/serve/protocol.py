@@ -1,0 +1,194 @@
+"""OpenAI request bodies -> checked requests, and the OpenAI response / error shapes.
+
+Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
+send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
+that the engine does not implement (n > 1, penalties, logprobs, logit_bias, ...) are
+refused with a 400 naming the field rather than silently ignored; fields that do not
+change the output (`user`, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..api import SamplingParams
+
+# Fields accepted only at their "off" value: (name, allowed values).
+_UNSUPPORTED = (
+    ("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
+    ("top_logprobs", (None, 0)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+    ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
+    ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
+    ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
+    ("functions", (None, [])), ("guided_json", (None,)), ("guided_regex", (None,)),
+    ("guided_choice", (None,)), ("guided_grammar", (None,)),
+)
+MAX_SEED = 2**63
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked completions or chat request; `max_tokens` None means "the rest of the context"."""
+
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]  # completions: one or more; chat: none (see messages)
+    messages: tuple[dict, ...]  # chat: {"role", "content": str}
+    params: SamplingParams  # max_tokens here is a placeholder when `max_tokens` is None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest (raises BadRequest)."""
+    body = _object(body)
+    return _request(body, prompts=_prompts(body.get("prompt")), messages=(), max_tokens=body.get("max_tokens"),
+                    default_max_tokens=16)
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    """A /v1/chat/completions body -> GenerationRequest (raises BadRequest)."""
+    body = _object(body)
+    if body.get("n") not in (None, 1):
+        raise BadRequest("only n=1 is supported", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return _request(body, prompts=(), messages=_messages(body.get("messages")), max_tokens=max_tokens,
+                    default_max_tokens=None)
+
+
+def _request(body: dict, prompts, messages, max_tokens, default_max_tokens) -> GenerationRequest:
+    for name, allowed in _UNSUPPORTED:
+        if name in body and body[name] not in allowed:
+            raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}", "max_tokens")
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    top_k = body.get("top_k")
+    top_k = 0 if top_k in (None, -1) else top_k  # vLLM: -1 (or 0) disables top-k
+    if not _is_int(top_k) or top_k < 0:
+        raise BadRequest(f"'top_k' must be an integer >= 0 (or -1 to disable), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
+        raise BadRequest(f"'seed' must be an integer in [0, 2^63), got {seed!r}", "seed")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
+    stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
+    try:
+        params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=stop, ignore_eos=ignore_eos)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
+                             bool((options or {}).get("include_usage", False)))
+
+
+# ---------------------------------------------------------------------- field checks
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"'{name}' must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {value!r}", name)
+    return value
+
+
+def _stop(stop: Any) -> tuple[str, ...] | None:
+    if stop is None or stop == []:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    return tuple(stop)
+
+
+def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """str | [str] | [int] | [[int]] -> one entry per prompt."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return (tuple(prompt),)
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return tuple(tuple(p) for p in prompt)
+    raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+                     "prompt")
+
+
+def _messages(messages: Any) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- response shapes
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,126 @@
+"""`moespec serve`: load the model, start the scheduler loop, serve HTTP with uvicorn.
+
+    moespec serve --model moespec-tiny --policy eagle3 --host 127.0.0.1 --port 8000 --max-batch-size 8
+
+`ServerThread` runs the same server inside a process (tests, benchmarks): uvicorn on a
+socket bound here (port 0 = any free port), stopped cleanly by `stop()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+from ..api import LLM
+from .app import Server, build_app
+from .engine import RoundRobinEngine, ServingEngine
+from .scheduler import Scheduler
+
+log = logging.getLogger("trtllm_moespec.serve")
+
+
+def make_engine(llm: LLM, max_batch_size: int) -> ServingEngine:
+    """The serving engine for a loaded model."""
+    return RoundRobinEngine(llm.engine, max_batch_size)
+
+
+class ServerThread:
+    """A started scheduler plus uvicorn on its own thread; `url` once started."""
+
+    def __init__(self, llm: LLM, *, max_batch_size: int = 8, max_queue: int = 64, host: str = "127.0.0.1",
+                 port: int = 0, model_name: str = "moespec", chat_template: str | None = None,
+                 engine: ServingEngine | None = None, log_level: str = "warning"):
+        import uvicorn
+
+        self.scheduler = Scheduler(engine or make_engine(llm, max_batch_size), max_queue)
+        self.server = Server(llm, self.scheduler, model_name, chat_template)
+        self.app = build_app(self.server)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+        self.uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.scheduler.start()
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self._sock]},
+                                        name="moespec-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.uvicorn.started:
+            self.stop()
+            raise RuntimeError("the HTTP server did not start")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Fail what is still running, then stop HTTP and the scheduler loop."""
+        self.scheduler.stop(timeout)
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the HTTP server did not stop within {timeout}s")
+        self._sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import _add_model_args
+
+    p = argparse.ArgumentParser(prog="moespec serve", description="OpenAI-compatible HTTP server")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
+    p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: --model)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `moespec serve` (bad arguments: ValueError -> exit 2 in the CLI)."""
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn  # noqa: F401
+        import fastapi  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"`moespec serve` needs the serve extra: pip install 'trtllm-moespec[serve]' ({e})") from None
+    if args.max_batch_size < 1 or args.max_queue < 0:
+        raise ValueError("--max-batch-size must be >= 1 and --max-queue >= 0")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+    from ..cli import _llm_from_args
+
+    llm = _llm_from_args(args)
+    name = args.served_model_name or args.model
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    server = ServerThread(llm, max_batch_size=args.max_batch_size, max_queue=args.max_queue, host=args.host,
+                          port=args.port, model_name=name, chat_template=template, log_level=args.log_level)
+    server.scheduler.start()
+    log.info("serving %s (policy %s, max batch %d) at %s", name, args.policy, args.max_batch_size, server.url)
+    try:
+        server.uvicorn.run(sockets=[server._sock])  # blocks; Ctrl-C / SIGTERM end it
+    finally:
+        server.scheduler.stop()
+    return 0
