@@ -1,0 +1,177 @@
+"""Loopback load test of `moespec serve`: concurrent streaming clients get exactly their
+single-request outputs, nothing is lost, disconnects free their slots, errors are
+OpenAI-shaped, and the server stops cleanly. Bounded: a few short requests, hard timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from trtllm_moespec import SamplingParams
+from trtllm_moespec.serve.server import ServerThread
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# a comment\n",
+           "def main():\n"]
+MAX_TOKENS = 12
+TIMEOUT_S = 180
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, list[str | None], dict | None]:
+    """Text, finish reasons and usage of one SSE stream (asserts the [DONE] terminator)."""
+    text, finishes, usage, done = "", [], None, False
+    async with client.stream("POST", path, json={**body, "stream": True,
+                                                 "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                text += c["delta"].get("content", "") if "delta" in c else c["text"]
+                finishes.append(c["finish_reason"])
+    assert done
+    return text, finishes, usage
+
+
+def test_concurrent_clients_get_their_single_request_outputs(tiny_llm):
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [o.text for o in tiny_llm.generate(PROMPTS, greedy)]
+    chat_messages = [{"role": "user", "content": "write a sort function"}]
+    chat_ids = tiny_llm.tokenizer.apply_chat_template(chat_messages, chat_template=TEMPLATE,
+                                                      add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    expected_chat = tiny_llm.generate([list(chat_ids)], greedy)[0]
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            streams = [_stream(client, "/v1/completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0})
+                       for p in PROMPTS]
+            chat = _stream(client, "/v1/chat/completions",
+                           {"messages": chat_messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+            plain = client.post("/v1/completions", json={"prompt": PROMPTS, "max_tokens": MAX_TOKENS,
+                                                          "temperature": 0})
+            results = await asyncio.gather(*streams, chat, plain)
+            metrics = (await client.get("/metrics")).text
+        return results, metrics
+
+    with ServerThread(tiny_llm, max_batch_size=3, max_queue=16, chat_template=TEMPLATE) as server:
+        results, metrics = _run(clients(server.url))
+        assert server.scheduler.num_running == 0 and server.scheduler.queue_depth == 0
+    *streams, chat, plain = results
+    for (text, finishes, usage), want in zip(streams, expected):
+        assert text == want
+        assert finishes[-1] == "length" and usage["completion_tokens"] == MAX_TOKENS
+    text, finishes, usage = chat
+    assert text == expected_chat.text and usage["prompt_tokens"] == len(chat_ids)
+    body = plain.json()
+    assert plain.status_code == 200 and [c["text"] for c in body["choices"]] == expected
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS * len(PROMPTS)
+    values = dict(line.split() for line in metrics.splitlines() if not line.startswith("#"))
+    assert float(values["moespec_requests_finished_total"]) == 2 * len(PROMPTS) + 1  # nothing lost
+    assert float(values["moespec_generated_tokens_total"]) == MAX_TOKENS * (2 * len(PROMPTS) + 1)
+    assert 1 <= float(values["moespec_mean_batch_size"]) <= 3 and float(values["moespec_verified_tokens"]) > 0
+
+
+def test_seeded_sampling_is_reproducible_and_equals_the_single_request(tiny_llm):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=50, seed=11)
+    expected = tiny_llm.generate([PROMPTS[0]], params)[0].text
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_k": 50, "seed": 11}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(3)])
+
+    with ServerThread(tiny_llm, max_batch_size=3) as server:
+        responses = _run(clients(server.url))
+    assert [r.json()["choices"][0]["text"] for r in responses] == [expected] * 3
+
+
+def test_disconnected_clients_free_their_slots(tiny_llm):
+    long = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+    async def leave_early(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # go away after the first chunk
+        try:  # a non-streaming client that gives up waiting
+            async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60, read=1.0)) as client:
+                await client.post("/v1/completions", json=long)
+        except httpx.ReadTimeout:
+            pass
+
+    with ServerThread(tiny_llm, max_batch_size=2) as server:
+        _run(leave_early(server.url))
+        deadline = time.monotonic() + 30
+        while (server.scheduler.num_running or server.scheduler.engine.num_active) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.scheduler.num_running == 0 and server.scheduler.engine.num_active == 0
+        assert server.scheduler.metrics.cancelled == 2
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200  # the freed slots serve new requests
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 5000}, 400, None),  # longer than the context
+    ({"prompt": [999999], "max_tokens": 2}, 400, None),  # token id out of the vocabulary
+    ({"prompt": "x", "model": "gpt-4"}, 404, None),
+])
+def test_bad_requests_get_openai_errors(tiny_llm, body, status, param):
+    with ServerThread(tiny_llm, max_batch_size=1) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_invalid_json_missing_template_and_full_queue(tiny_llm):
+    async def scenario(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bad = await client.post("/v1/completions", content=b"{not json")
+            chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=long) as r:
+                async for _ in r.aiter_lines():
+                    break  # the one slot is busy now; the queue holds nothing
+                full = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            models = await client.get("/v1/models")
+            health = await client.get("/health")
+        return bad, chat, full, models, health
+
+    with ServerThread(tiny_llm, max_batch_size=1, max_queue=0, model_name="tiny") as server:
+        bad, chat, full, models, health = _run(scenario(server.url))
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+    assert full.status_code == 503 and full.json()["error"]["type"] == "server_overloaded"
+    assert models.json()["data"][0]["id"] == "tiny" and health.json() == {"status": "ok"}
+
+
+def test_server_stops_cleanly(tiny_llm):
+    server = ServerThread(tiny_llm, max_batch_size=2).start()
+    port = server.port
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    server.stop()
+    assert not server.scheduler.alive and not server._thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
