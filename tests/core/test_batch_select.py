@@ -1,0 +1,104 @@
+"""joint-batch: reference cases with known answers, equality with `joint` for one request,
+and the invariants every batched selection keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from tests.core.strategies import random_eagle_tree, random_experts, random_tree, seeds
+from trtllm_moespec.core import DraftTree, ExpertCostModel, ExpertSets, make_policy
+from trtllm_moespec.core.batch_select import joint_batch_select
+from trtllm_moespec.core.select import path_bits
+
+
+def _sets(ids_per_node: list[list[int]], num_experts: int = 16) -> torch.Tensor:
+    """[N, W] bitsets of one MoE layer from expert-id lists."""
+    ids = torch.tensor([[[e for e in ids] + [-1] * (2 - len(ids))] for ids in ids_per_node])[None]  # [1, N, 1, 2]
+    return ExpertSets.from_topk_ids(ids, num_experts).bits[0]
+
+
+def test_shared_union_prefers_a_node_whose_experts_the_batch_already_wakes():
+    # request 0: node a (score 0.9) wakes {1, 2}; request 1: b (0.5) wakes {1, 2}, c (0.6) wakes {7, 8}.
+    scores = torch.tensor([[0.9, 0.0], [0.5, 0.6]])
+    parents = torch.tensor([[-1, -1], [-1, -1]])
+    valid = torch.tensor([[True, False], [True, True]])
+    traj = torch.stack([_sets([[1, 2], []]), _sets([[1, 2], [7, 8]])])
+    roots = torch.zeros(2, traj.shape[2], dtype=torch.int64)
+    cost = ExpertCostModel(c0=1.0, c_tok=0.01, c_exp=0.2)
+    sel = joint_batch_select(scores, parents, valid, traj, roots, cost, max_nodes=8, max_nodes_per_request=8)
+    # Utilities: j=0 2/1 = 2.0; j=1 (a) 2.9/1.41 = 2.06; j=2 (+b, free) 3.4/1.42 = 2.39; j=3 (+c) 4.0/1.83 = 2.19.
+    assert sel.node_idx.tolist() == [[0], [0]] and sel.num_selected.tolist() == [1, 1]
+    assert sel.expected_tokens == pytest.approx(3.4) and sel.unique_experts == 2
+    assert sel.predicted_cost == pytest.approx(1.0 + 2 * 0.01 + 2 * 0.2)
+    # Request 1 choosing alone (`joint`) takes c, its higher-scoring node, first.
+    alone = make_policy("joint", cost_model=cost, budget=8).select(
+        DraftTree.from_parents(torch.tensor([[3, 4]]), parents[1:], scores[1:]),
+        ExpertSets(traj[1:], 1, 16), roots[1:])
+    assert alone.node_idx[0, 0].item() == 1
+
+
+def test_decodes_plainly_when_speculation_cannot_pay():
+    rng = np.random.default_rng(0)
+    tree = random_eagle_tree(rng, 3, steps=3, topk=4)
+    experts = random_experts(rng, tree, layers=2, experts=16, topk=2)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    roots = torch.zeros(3, traj.shape[2], dtype=torch.int64)
+    sel = joint_batch_select(tree.scores, tree.parents, tree.valid, traj, roots, ExpertCostModel(1.0, 5.0, 5.0), 32, 8)
+    assert sel.num_selected.tolist() == [0, 0, 0] and sel.expected_tokens == 3.0 and sel.predicted_cost == 1.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_one_request_equals_joint(seed):
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, 1, 12)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=5)
+    root = random_experts(rng, DraftTree.from_parents(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]),
+                                                      torch.ones(1, 1)), 2, 8, 2).bits[:, 0]
+    cost = ExpertCostModel(float(rng.uniform(0.5, 2)), float(rng.uniform(0, 0.1)), float(rng.uniform(0, 0.2)))
+    budget = int(rng.integers(1, 12))
+    want = make_policy("joint", cost_model=cost, budget=budget).select(tree, experts, root)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    got = joint_batch_select(tree.scores, tree.parents, tree.valid, traj, root, cost, budget, budget)
+    k = int(want.num_selected[0])
+    assert got.num_selected.tolist() == [k]
+    assert got.node_idx[0, :k].tolist() == want.node_idx[0, :k].tolist()
+    assert got.expected_tokens == pytest.approx(float(want.expected_tokens[0]))
+    assert got.predicted_cost == pytest.approx(float(want.predicted_cost[0]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_batch_selection_is_parent_closed_ordered_and_within_caps(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    tree = random_tree(rng, B, 10)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=6)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    roots = torch.zeros(B, traj.shape[2], dtype=torch.int64)
+    cost = ExpertCostModel(1.0, float(rng.uniform(0, 0.05)), float(rng.uniform(0, 0.05)))
+    total, per_request = int(rng.integers(0, 20)), int(rng.integers(0, 6))
+    sel = joint_batch_select(tree.scores, tree.parents, tree.valid, traj, roots, cost, total, per_request)
+    assert int(sel.num_selected.sum()) <= total and int(sel.num_selected.max()) <= per_request
+    picked_score = 0.0
+    for b in range(B):
+        nodes = sel.node_idx[b, : int(sel.num_selected[b])].tolist()
+        assert all(n >= 0 and bool(tree.valid[b, n]) for n in nodes)
+        for i, n in enumerate(nodes):
+            parent = int(tree.parents[b, n])
+            assert parent == -1 or parent in nodes[:i]
+        picked_score += float(tree.scores[b, nodes].double().sum()) if nodes else 0.0
+    assert sel.expected_tokens == pytest.approx(B + picked_score)
+
+
+def test_bad_inputs():
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="caps"):
+        joint_batch_select(z, z.long(), z.bool(), torch.zeros(2, 3, 1, dtype=torch.int64),
+                           torch.zeros(2, 1, dtype=torch.int64), ExpertCostModel(1, 0, 0), -1, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        joint_batch_select(z, z.long(), z.bool(), torch.zeros(2, 3, 1, dtype=torch.int64),
+                           torch.zeros(1, 1, dtype=torch.int64), ExpertCostModel(1, 0, 0), 4, 4)
