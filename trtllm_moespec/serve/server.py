@@ -23,8 +23,13 @@ from .scheduler import Scheduler
 log = logging.getLogger("trtllm_moespec.serve")
 
 
-def make_engine(llm: LLM, max_batch_size: int) -> ServingEngine:
-    """The serving engine for a loaded model."""
+ENGINES = ("round-robin",)
+
+
+def make_engine(llm: LLM, max_batch_size: int, kind: str = "round-robin") -> ServingEngine:
+    """The serving engine for a loaded model: "round-robin" (requests stepped one after another)."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown serving engine {kind!r}; choose one of {', '.join(ENGINES)}")
     return RoundRobinEngine(llm.engine, max_batch_size)
 
 
