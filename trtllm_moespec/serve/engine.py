@@ -7,8 +7,8 @@ requests only between steps (continuous batching). Two engines implement it:
 - `RoundRobinEngine`: each admitted request keeps its own `SpecEngine.run` generator
   (its own KV cache) and `step()` advances them one after another. Outputs are those
   of running each request alone, by construction.
-- a batched engine (one target forward for all requests, K/V in per-request slots of a
-  static cache) implements the same four members, so the scheduler does not change.
+- `BatchedServingEngine`: `engine.batch.BatchedEngine`, one target forward for all requests
+  (K/V in per-request slots of the static cache), optionally with `joint-batch` selection.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
+from ..engine.batch import BatchedEngine
 from ..engine.engine import Request, SpecEngine
 from ..engine.stats import StepStats
 
@@ -109,3 +110,27 @@ class RoundRobinEngine:
             return StepOutput(request, [], False, error=f"{type(e).__name__}: {e}")
         step = request.steps[-1] if len(request.steps) > num_steps else None
         return StepOutput(request, list(new_ids), request.finish_reason is not None, step=step)
+
+
+class BatchedServingEngine:
+    """`ServingEngine` over `engine.batch.BatchedEngine` (one target forward per step)."""
+
+    def __init__(self, engine: BatchedEngine):
+        self.engine = engine
+        self.max_batch_size = engine.max_batch_size
+
+    @property
+    def num_active(self) -> int:
+        return self.engine.num_active
+
+    def add(self, request: Request) -> None:
+        self.engine.add(request)
+
+    def abort(self, request: Request) -> None:
+        self.engine.abort(request)
+
+    def step(self) -> tuple[list[StepOutput], BatchStepStats]:
+        t0 = time.perf_counter()
+        outputs, experts = self.engine.step()
+        return ([StepOutput(o.request, o.new_ids, o.finished, step=o.step) for o in outputs],
+                BatchStepStats(len(outputs), time.perf_counter() - t0, experts))

@@ -17,20 +17,26 @@ from pathlib import Path
 
 from ..api import LLM
 from .app import Server, build_app
-from .engine import RoundRobinEngine, ServingEngine
+from ..engine.batch import BatchedEngine
+from .engine import BatchedServingEngine, RoundRobinEngine, ServingEngine
 from .scheduler import Scheduler
 
 log = logging.getLogger("trtllm_moespec.serve")
 
 
-ENGINES = ("round-robin",)
+ENGINES = ("batched", "joint-batch", "round-robin")
 
 
-def make_engine(llm: LLM, max_batch_size: int, kind: str = "round-robin") -> ServingEngine:
-    """The serving engine for a loaded model: "round-robin" (requests stepped one after another)."""
+def make_engine(llm: LLM, max_batch_size: int, kind: str = "batched") -> ServingEngine:
+    """The serving engine for a loaded model: "batched" (one target forward per step for the whole
+    batch, each request with its own policy), "joint-batch" (batched, nodes chosen across the batch
+    on the shared expert union; needs policy joint) or "round-robin" (requests stepped one after
+    another, each with its own forward: the reference the batched engine is tested against)."""
     if kind not in ENGINES:
         raise ValueError(f"unknown serving engine {kind!r}; choose one of {', '.join(ENGINES)}")
-    return RoundRobinEngine(llm.engine, max_batch_size)
+    if kind == "round-robin":
+        return RoundRobinEngine(llm.engine, max_batch_size)
+    return BatchedServingEngine(BatchedEngine(llm.engine, max_batch_size, joint_batch=kind == "joint-batch"))
 
 
 class ServerThread:
@@ -38,10 +44,12 @@ class ServerThread:
 
     def __init__(self, llm: LLM, *, max_batch_size: int = 8, max_queue: int = 64, host: str = "127.0.0.1",
                  port: int = 0, model_name: str = "moespec", chat_template: str | None = None,
-                 engine: ServingEngine | None = None, log_level: str = "warning"):
+                 engine: ServingEngine | str = "batched", log_level: str = "warning"):
         import uvicorn
 
-        self.scheduler = Scheduler(engine or make_engine(llm, max_batch_size), max_queue)
+        if isinstance(engine, str):
+            engine = make_engine(llm, max_batch_size, engine)
+        self.scheduler = Scheduler(engine, max_queue)
         self.server = Server(llm, self.scheduler, model_name, chat_template)
         self.app = build_app(self.server)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--engine", default="batched", choices=["batched", "round-robin"],
+                   help="batched: one target forward per step for the whole batch (default); round-robin: one "
+                        "forward per request (the reference)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: --model)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
@@ -117,13 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     from ..cli import _llm_from_args
 
+    kind = args.engine
+    if args.policy == "joint-batch":  # the joint policy's drafter, predictor and cost model, selected across the batch
+        if kind != "batched":
+            raise ValueError("--policy joint-batch needs --engine batched")
+        args.policy, kind = "joint", "joint-batch"
     llm = _llm_from_args(args)
     name = args.served_model_name or args.model
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = ServerThread(llm, max_batch_size=args.max_batch_size, max_queue=args.max_queue, host=args.host,
-                          port=args.port, model_name=name, chat_template=template, log_level=args.log_level)
+                          port=args.port, model_name=name, chat_template=template, engine=kind,
+                          log_level=args.log_level)
     server.scheduler.start()
-    log.info("serving %s (policy %s, max batch %d) at %s", name, args.policy, args.max_batch_size, server.url)
+    log.info("serving %s (policy %s, %s engine, max batch %d) at %s", name, args.policy, kind, args.max_batch_size,
+             server.url)
     try:
         server.uvicorn.run(sockets=[server._sock])  # blocks; Ctrl-C / SIGTERM end it
     finally:

@@ -1,0 +1,163 @@
+"""The batched engine: B requests in one target forward per step, admitted and retired
+between steps. Each request's output equals running it alone (greedy and seeded sampling
+with per-request policies), joint-batch keeps greedy output exact and the sampling
+distribution unchanged (seeded chi-square, greedy and sampled requests mixed in one batch),
+and retired requests give their cache slots back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from trtllm_moespec import LLM, SamplingParams, TreeConfig
+from trtllm_moespec.core.cost import ExpertCostModel
+from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
+from trtllm_moespec.engine.batch_cost import BatchCosts
+from trtllm_moespec.core.layout import build_layout
+from trtllm_moespec.core.tree import DraftTree
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 4], [1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+MAX_TOKENS = 20  # crosses the GPT-OSS test window (8)
+
+
+def _drive(engine: BatchedEngine, requests, admit_every: int = 0) -> int:
+    """Admit one waiting request every `admit_every` steps (continuous batching), or with 0 as many
+    as fit before every step; returns the steps run."""
+    waiting, steps = list(requests), 0
+    while waiting or engine.num_active:
+        while waiting and engine.num_active < engine.max_batch_size and (admit_every == 0 or steps % admit_every == 0):
+            engine.add(waiting.pop(0))
+            if admit_every:
+                break
+        engine.step()
+        steps += 1
+        assert steps < 500
+    return steps
+
+
+def _llm(checkpoints, arch, policy, **kw):
+    target, draft = checkpoints[arch]
+    return LLM(str(target), draft_model=str(draft), policy=policy, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_each_request_equals_running_it_alone(checkpoints, arch, policy):
+    llm = _llm(checkpoints, arch, policy)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(max_tokens=MAX_TOKENS - 5, temperature=0.9, top_k=20, seed=3, ignore_eos=True)]
+    alone = [llm.generate([p], params[i % 2])[0].token_ids for i, p in enumerate(PROMPTS)]
+    requests = [llm.make_request(p, params[i % 2]) for i, p in enumerate(PROMPTS)]
+    engine = BatchedEngine(llm.engine, max_batch_size=3)
+    _drive(engine, requests, admit_every=2)  # staggered: requests join a batch that is mid-way
+    assert [r.output_ids for r in requests] == alone
+    assert all(r.finish_reason == "length" for r in requests) and engine.num_active == 0
+
+
+def test_greedy_batch_equals_transformers_generate(checkpoints):
+    target, _ = checkpoints["qwen3_moe"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target))
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    engine = BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True)
+    _drive(engine, requests)
+    assert [r.output_ids for r in requests] == refs
+    assert any(s.verified_tokens > 0 for r in requests for s in r.steps)  # it did speculate
+
+
+def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    engine = BatchedEngine(llm.engine, max_batch_size=2)
+    first = llm.make_request(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add(first)
+    engine.step()
+    engine.step()
+    engine.abort(first)
+    assert engine.num_active == 0
+    requests = [llm.make_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+    _drive(engine, requests)
+    pool = getattr(llm.target, "_pool", None)
+    if pool is not None:  # the static cache: never more slots than the batch needed, all free again
+        assert pool.num_slots <= 4 and len(pool._free) == pool.num_slots
+    with pytest.raises(ValueError, match="full"):
+        for r in requests[:3]:
+            engine.add(r)
+
+
+def test_pad_layouts_pads_with_the_root_seeing_only_itself():
+    tree = DraftTree.from_parents(torch.tensor([[4, 5, 6]]), torch.tensor([[-1, 0, -1]]), torch.full((1, 3), 0.5))
+    big = build_layout(tree, torch.tensor([[0, 1, 2]]), torch.tensor([9]))
+    small = build_layout(DraftTree.empty(1), torch.zeros(1, 0, dtype=torch.int64), torch.tensor([3]))
+    stacked = pad_layouts([small, big])
+    assert stacked.token_ids.tolist() == [[3, 3, 3, 3], [9, 4, 5, 6]]
+    assert stacked.depth.tolist() == [[0, 0, 0, 0], [0, 1, 2, 1]]
+    mask = stacked.tree_mask()
+    assert mask[0].tolist() == [[True, False, False, False]] * 4  # pads see the root only
+    assert torch.equal(mask[1], big.tree_mask()[0])
+    assert stacked.num_nodes.tolist() == [0, 3]
+
+
+TOP_K = 3
+SAMPLE_PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@torch.no_grad()
+def _exact_three(target_dir) -> dict[tuple[int, int], float]:
+    """The exact joint distribution of the first three sampled tokens (top-k 3, temperature 1)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
+
+    def probs(ids):
+        logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        kth = logits.topk(TOP_K).values[-1]
+        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
+
+    exact = {}
+    p1 = probs(SAMPLE_PROMPT)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(SAMPLE_PROMPT + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs(SAMPLE_PROMPT + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[a, b, c] = float(p1[a] * p2[b] * p3[c])
+    return exact
+
+
+def test_joint_batch_sampling_keeps_the_target_distribution(checkpoints):
+    """Mixed batches: a greedy request (must equal the greedy output) beside 3 sampled ones."""
+    target, _ = checkpoints["qwen3_moe"]
+    exact = _exact_three(target)
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle", tree=TreeConfig(2, 3, 6), override_profile=True)
+    greedy_ref = llm.generate([SAMPLE_PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    # Costs that make every node worth verifying, and no guard: the test is about acceptance, so the
+    # selection must verify many nodes of several requests in each batch (random drafters rarely pay).
+    costs = BatchCosts(ExpertCostModel(c0=1.0, c_tok=1e-6, c_exp=1e-6), measure=False)
+    engine = BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, costs=costs, goodput_guard=False)
+    counts: dict[tuple[int, ...], int] = {}
+    trials, speculated = 240, 0
+    for t in range(trials // 3):
+        sampled = [llm.make_request(SAMPLE_PROMPT, SamplingParams(max_tokens=3, temperature=1.0, top_k=TOP_K,
+                                                                  seed=3 * t + i, ignore_eos=True)) for i in range(3)]
+        greedy = llm.make_request(SAMPLE_PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+        _drive(engine, [sampled[0], greedy, sampled[1], sampled[2]])  # all four in one batch
+        assert greedy.output_ids == greedy_ref
+        for r in sampled:
+            key = tuple(r.output_ids)
+            assert key in exact, f"emitted {key}, which has zero probability under the target"
+            counts[key] = counts.get(key, 0) + 1
+            speculated += sum(s.verified_tokens for s in r.steps)
+    assert speculated > 0
+    cells = sorted(exact)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    expected = np.array([exact[c] for c in cells]) * trials
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    # 99.9% quantile of chi-square: about dof + 3.1 sqrt(2 dof) + 5 for the dof here (<= 27 cells).
+    assert stat < dof + 3.1 * np.sqrt(2 * dof) + 5, (stat, dof, counts)

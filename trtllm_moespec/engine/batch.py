@@ -1,0 +1,299 @@
+"""Batched decoding: every admitted request advances by one iteration in ONE target forward.
+
+    step():  new requests: prefill (one forward each) -> first token
+             running requests: draft + predict per request
+               -> select (each request's own policy, or `joint-batch` across the batch)
+               -> one target forward over all roots + selected nodes: ragged trees padded to
+                  the longest, per-request positions, tree masks and static-cache slots
+               -> per request: acceptance rule, in-place commit in its slot, drafter commit
+
+Why each request is unchanged by its neighbours (greedy output identical to running it
+alone, sampling distribution unchanged): the forward sees request b's keys only in b's
+cache slot and b's tree mask; padding repeats the root token at the root's position and
+sees only the root, so it computes the root's values again and wakes no new expert; the
+acceptance rule runs per request on the unpadded layout, so a request draws exactly the
+uniforms from its own generator that it would draw alone. A selection made across the
+batch (`joint-batch`) changes which nodes are verified, never how they are accepted, so
+sampling stays lossless (DESIGN: any tree chosen without the verifier's random numbers).
+
+Admission and retirement happen between steps (`add` / `abort`, driven by the serving
+scheduler). A request's slot is released when it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..core.batch_select import joint_batch_select
+from ..core.layout import TreeLayout, build_layout
+from ..core.select import path_bits
+from ..core.tree import DraftTree, limit_depth
+from ..core.verify import verify_tree
+from ..models.target import TargetCache, TargetModel, TargetOutput
+from .batch_cost import BatchCosts, GoodputGuard
+from .drafters import Draft
+from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
+from .stats import StepStats
+
+
+@dataclass
+class _Active:
+    """An admitted request and its per-request state."""
+
+    request: Request
+    cache: TargetCache | None = None  # None until its prefill ran
+    draft_state: Any = None
+
+
+@dataclass(frozen=True)
+class BatchStepOutput:
+    """One request's share of a batch step (the serving layer's StepOutput is built from it)."""
+
+    request: Request
+    new_ids: list[int]
+    finished: bool
+    step: StepStats | None  # None for the prefill step
+
+
+class BatchedEngine:
+    """Continuous batching over one `SpecEngine`'s target, drafter, predictor and policy.
+
+    `joint_batch=True` replaces the per-request policy by the cross-request selection on the
+    batch's shared expert union, with per-batch-size costs (`costs`; default: the joint policy's
+    fit with intercepts measured per batch size) and, unless `goodput_guard=False`, a guard that
+    decodes plainly (no drafting) when speculation does not pay for the batch.
+    """
+
+    def __init__(self, engine: SpecEngine, max_batch_size: int, joint_batch: bool = False,
+                 costs: BatchCosts | None = None, goodput_guard: bool = True):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        if engine.policy.needs_target:
+            raise ValueError(f"policy {engine.policy.name!r} needs target scores per request (analysis only); "
+                             "it cannot run batched")
+        if joint_batch and (engine.predictor is None or getattr(engine.policy, "cost_model", None) is None):
+            raise ValueError("joint-batch needs the joint policy's cost model and an expert predictor "
+                             "(load the model with policy 'joint')")
+        self.engine, self.target = engine, engine.target
+        self.max_batch_size = max_batch_size
+        self.joint_batch = joint_batch
+        self.costs = costs if costs is not None or not joint_batch else BatchCosts(engine.policy.cost_model)
+        self.guard = GoodputGuard() if joint_batch and goodput_guard else None
+        self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def add(self, request: Request) -> None:
+        if len(self._active) >= self.max_batch_size:
+            raise ValueError(f"engine full: {self.max_batch_size} requests already admitted")
+        self._active[id(request)] = _Active(request)
+
+    def abort(self, request: Request) -> None:
+        # Dropping the state drops its TargetCache, whose static-cache slot returns to the pool when
+        # the object is collected (the pool releases it then; releasing it here as well could free a
+        # slot that a later request already holds).
+        self._active.pop(id(request), None)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> tuple[list[BatchStepOutput], float]:
+        """Advance every admitted request; returns their outputs and the batch's unique experts
+        per layer (mean over MoE layers of the experts the verify forward woke, pads excluded)."""
+        t_step = time.perf_counter()
+        new = [a for a in self._active.values() if a.cache is None]
+        running = [a for a in self._active.values() if a.cache is not None]
+        outputs = [self._start(a) for a in new]
+        experts = 0.0
+        if running:
+            spec_outputs, experts = self._iterate(running, t_step)
+            outputs += spec_outputs
+        for out in outputs:
+            if out.finished:
+                self.abort(out.request)
+        return outputs, experts
+
+    def _start(self, active: _Active) -> BatchStepOutput:
+        """Prefill one request and emit its first token (the same rule as `SpecEngine.run`)."""
+        request, engine = active.request, self.engine
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=self.target.device)
+        t0 = time.perf_counter()
+        active.cache = self.target.new_cache()
+        prefill = self.target.prefill(active.cache, prompt)
+        root = engine._first_token(prefill, request)
+        active.draft_state = engine.draft_source.start(prompt, prefill, root)
+        request.prefill_ms = (time.perf_counter() - t0) * 1e3
+        finished = engine._append(request, [root])
+        return BatchStepOutput(request, request.output_ids[-1:], finished, None)
+
+    def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
+        engine = self.engine
+        speculate = self.guard.speculate(len(running)) if self.guard is not None else engine.policy.drafts
+        t0 = time.perf_counter()
+        drafts = [self._draft(a) if speculate else None for a in running]
+        t_draft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        predictions = [self._predict(a, d) for a, d in zip(running, drafts)] if speculate else [(None, None)] * len(running)
+        t_pred = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        layouts = self._select(running, drafts, predictions)
+        t_select = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = verify_batch(self.target, [a.cache for a in running], layouts)
+        t_target = time.perf_counter() - t0
+        batch_experts = _batch_unique_per_layer(outs, self.target.num_experts)
+        results = []
+        for a, d, (experts, _), layout, out in zip(running, drafts, predictions, layouts, outs):
+            results.append(self._finish(a, d, experts, layout, out))
+        step_s = time.perf_counter() - t_step
+        committed = sum(len(r.new_ids) for r in results)
+        if self.guard is not None:
+            self.guard.record(len(running), speculate, committed, step_s)
+        if self.costs is not None and speculate:
+            k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
+            self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), step_s)
+        share = lambda t: t * 1e3  # every request waited for the whole batch stage  # noqa: E731
+        stats = [replace(r.step, draft_ms=share(t_draft) + r.step.draft_ms, predictor_ms=share(t_pred),
+                         select_ms=share(t_select), target_ms=share(t_target),
+                         verify_ms=share(t_target) + r.step.verify_ms, step_ms=step_s * 1e3) for r in results]
+        for r, s in zip(results, stats):
+            r.request.steps[-1] = s
+        return [BatchStepOutput(r.request, r.new_ids, r.finished, s) for r, s in zip(results, stats)], batch_experts
+
+    # ------------------------------------------------------------------ stages
+    def _draft(self, active: _Active) -> Draft:
+        request = active.request
+        context = request.prompt_ids + request.output_ids
+        draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
+        remaining = request.max_tokens - len(request.output_ids)
+        return Draft(limit_depth(draft.tree, remaining - 1), draft.node_hidden)  # deeper nodes could never be emitted
+
+    def _predict(self, active: _Active, draft: Draft):
+        request = active.request
+        return self.engine._predict(request.prompt_ids + request.output_ids, draft.tree, draft, active.cache)
+
+    def _select(self, running: list[_Active], drafts: list[Draft | None], predictions) -> list[TreeLayout]:
+        roots = [torch.tensor([a.request.output_ids[-1]], device=self.target.device) for a in running]
+        if drafts[0] is None:  # plain decoding step: every request verifies its root only
+            return [build_layout(DraftTree.empty(1, r.device), torch.zeros(1, 0, dtype=torch.int64, device=r.device),
+                                 r) for r in roots]
+        if self.joint_batch:
+            node_idx = self._joint_batch(drafts, predictions)
+        else:
+            node_idx = [self.engine._select(d.tree, e, rb, None).node_idx for d, (e, rb) in zip(drafts, predictions)]
+        return [build_layout(d.tree, n, r) for d, n, r in zip(drafts, node_idx, roots)]
+
+    def _joint_batch(self, drafts: list[Draft], predictions) -> list[torch.Tensor]:
+        trees = [d.tree for d in drafts]
+        N = max(t.num_nodes for t in trees)
+        pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
+        scores = torch.cat([pad(t.scores, 0.0) for t in trees])
+        parents = torch.cat([pad(t.parents, -1) for t in trees])
+        valid = torch.cat([pad(t.valid, False) for t in trees])
+        traj = torch.cat([torch.nn.functional.pad(path_bits(e.bits, t.parents, t.depth), (0, 0, 0, N - t.num_nodes))
+                          for t, (e, _) in zip(trees, predictions)])
+        root_bits = torch.cat([rb for _, rb in predictions])
+        budget = self.engine.tree.max_draft_tokens
+        cost = self.costs.model(len(trees))
+        sel = joint_batch_select(scores, parents, valid, traj, root_bits, cost, budget * len(trees), budget)
+        return [sel.node_idx[b:b + 1] for b in range(len(trees))]
+
+    def _finish(self, active: _Active, draft: Draft | None, experts, layout: TreeLayout, out: TargetOutput):
+        """Acceptance rule, commit and stats for one request (exactly as `SpecEngine._step`)."""
+        request, engine = active.request, self.engine
+        t0 = time.perf_counter()
+        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        t_verify = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.target.commit(active.cache, result.accepted_pos[0])
+        t_commit = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.draft_source.commit(active.draft_state, result, out)
+        t_draft = time.perf_counter() - t0
+        emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
+        before = len(request.output_ids)
+        finished = engine._append(request, emitted)
+        hits, checked = _predictor_hits(experts, out, layout, result) if draft is not None else (0, 0)
+        step = StepStats(
+            verified_tokens=int(layout.num_nodes[0]), accepted_tokens=int(result.num_accepted[0]),
+            committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
+            draft_ms=t_draft * 1e3, predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=0.0,
+            commit_ms=t_commit * 1e3, step_ms=0.0, predictor_hits=hits, predictor_total=checked)
+        request.steps.append(step)
+        return _Finished(request, request.output_ids[before:], finished, step)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    request: Request
+    new_ids: list[int]
+    finished: bool
+    step: StepStats
+
+
+# ---------------------------------------------------------------------- the batched forward
+def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[TreeLayout]) -> list[TargetOutput]:
+    """One target forward over every request's root + selected nodes; per-request outputs
+    [1, 1+K_b, ...] at its own layout positions. Falls back to one forward per request when
+    the target has no lean (static-cache) forward."""
+    lean = getattr(target, "lean", None)
+    if lean is None or len(layouts) == 1:
+        return [target.verify(c, layout) for c, layout in zip(caches, layouts)]
+    from ..models.lean_forward import ForwardBatch
+
+    for c, layout in zip(caches, layouts):
+        target._check_ready(c, layout.token_ids)
+    stacked = pad_layouts(layouts)
+    prefix = torch.tensor([c.num_tokens for c in caches], device=stacked.token_ids.device)
+    batch = ForwardBatch(
+        input_ids=stacked.token_ids.to(target.device), positions=stacked.position_ids(prefix).to(target.device),
+        slots=tuple(c.slot for c in caches), prefix_lens=tuple(c.num_tokens for c in caches),
+        tree_mask=stacked.tree_mask().to(target.device) if stacked.num_positions > 1 else None, logits_to_keep=0)
+    out = lean.forward(caches[0].kv, batch)
+    outputs = []
+    for b, (c, layout) in enumerate(zip(caches, layouts)):
+        T = layout.num_positions
+        c.num_pending = T
+        outputs.append(TargetOutput(logits=out.logits[b:b + 1, :T], hidden=out.hidden[b:b + 1, :T],
+                                    expert_ids=out.expert_ids[b:b + 1, :T]))
+    return outputs
+
+
+def pad_layouts(layouts: list[TreeLayout]) -> TreeLayout:
+    """Stack single-request layouts [1, 1+K_b] into one [B, 1+K_max]; pads repeat the root token
+    at depth 0 and are invalid, so each sees only its root (and computes the root again)."""
+    T = max(layout.num_positions for layout in layouts)
+    D = max(layout.paths.shape[2] for layout in layouts)
+
+    def pad(x: torch.Tensor, fill, width: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=fill)
+
+    return TreeLayout(
+        node_idx=torch.cat([pad(layout.node_idx, -1, T - 1) for layout in layouts]),
+        token_ids=torch.cat([torch.cat([layout.token_ids, layout.token_ids[:, :1].expand(1, T - layout.num_positions)], 1)
+                             for layout in layouts]),
+        depth=torch.cat([pad(layout.depth, 0, T) for layout in layouts]),
+        parent_pos=torch.cat([pad(layout.parent_pos, -1, T) for layout in layouts]),
+        valid=torch.cat([pad(layout.valid, False, T) for layout in layouts]),
+        paths=torch.cat([torch.nn.functional.pad(layout.paths, (0, D - layout.paths.shape[2], 0, T - layout.num_positions),
+                                                 value=-1) for layout in layouts]),
+        num_nodes=torch.cat([layout.num_nodes for layout in layouts]),
+    )
+
+
+def _batch_unique_pairs(outs: list[TargetOutput], num_experts: int) -> int:
+    """(layer, expert) pairs the whole batch's verify forward woke."""
+    ids = torch.cat([o.expert_ids[0] for o in outs])  # [sum T_b, L, topk]
+    L = ids.shape[1]
+    onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
+    onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
+    return int(onehot.sum())
+
+
+def _batch_unique_per_layer(outs: list[TargetOutput], num_experts: int) -> float:
+    return _batch_unique_pairs(outs, num_experts) / outs[0].expert_ids.shape[2]
