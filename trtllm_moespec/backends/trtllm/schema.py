@@ -204,7 +204,7 @@ def validate_llm_api_options(options: Mapping[str, Any]) -> None:
     _check_keys("llm_api_options", options, LLM_ARGS_FIELDS)
     if "speculative_config" in options:
         validate_speculative_config(options["speculative_config"])
-    if "cuda_graph_config" in options:
+    if options.get("cuda_graph_config") is not None:  # null disables CUDA graphs
         validate_cuda_graph_config(options["cuda_graph_config"])
     if "kv_cache_config" in options:
         _check_keys("kv_cache_config", options["kv_cache_config"], KV_CACHE_CONFIG_FIELDS)
