@@ -32,6 +32,7 @@ from ..core.batch_select import joint_batch_select
 from ..core.layout import TreeLayout, build_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, limit_depth
+from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, GoodputGuard
@@ -47,6 +48,7 @@ class _Active:
     request: Request
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
+    values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class BatchedEngine:
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
         active.draft_state = engine.draft_source.start(prompt, prefill, root)
+        if engine.values is not None and engine.policy.uses_values:
+            active.values = engine.values.for_request(request.sampling)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         finished = engine._append(request, [root])
         return BatchStepOutput(request, request.output_ids[-1:], finished, None)
@@ -141,15 +145,18 @@ class BatchedEngine:
         predictions = [self._predict(a, d) for a, d in zip(running, drafts)] if speculate else [(None, None)] * len(running)
         t_pred = time.perf_counter() - t0
         t0 = time.perf_counter()
-        layouts = self._select(running, drafts, predictions)
+        node_idx = self._select(running, drafts, predictions)
+        roots = [torch.tensor([a.request.output_ids[-1]], device=self.target.device) for a in running]
+        layouts = [build_layout(d.tree if d is not None else DraftTree.empty(1, r.device), n, r)
+                   for d, n, r in zip(drafts, node_idx, roots)]
         t_select = time.perf_counter() - t0
         t0 = time.perf_counter()
         outs = verify_batch(self.target, [a.cache for a in running], layouts)
         t_target = time.perf_counter() - t0
         batch_experts = _batch_unique_per_layer(outs, self.target.num_experts)
         results = []
-        for a, d, (experts, _), layout, out in zip(running, drafts, predictions, layouts, outs):
-            results.append(self._finish(a, d, experts, layout, out))
+        for a, d, (experts, _), n, layout, out in zip(running, drafts, predictions, node_idx, layouts, outs):
+            results.append(self._finish(a, d, experts, n, layout, out))
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
         if self.guard is not None:
@@ -177,19 +184,24 @@ class BatchedEngine:
         request = active.request
         return self.engine._predict(request.prompt_ids + request.output_ids, draft.tree, draft, active.cache)
 
-    def _select(self, running: list[_Active], drafts: list[Draft | None], predictions) -> list[TreeLayout]:
-        roots = [torch.tensor([a.request.output_ids[-1]], device=self.target.device) for a in running]
+    def _select(self, running: list[_Active], drafts: list[Draft | None], predictions) -> list[torch.Tensor]:
+        """Per request the selected node list [1, K_b] (-1 pad), ranked on node values where the
+        policy uses them; the layout is built on the drafted tree either way."""
         if drafts[0] is None:  # plain decoding step: every request verifies its root only
-            return [build_layout(DraftTree.empty(1, r.device), torch.zeros(1, 0, dtype=torch.int64, device=r.device),
-                                 r) for r in roots]
+            return [torch.zeros(1, 0, dtype=torch.int64, device=self.target.device) for _ in running]
+        valued = [self._valued(a, d) for a, d in zip(running, drafts)]
         if self.joint_batch:
-            node_idx = self._joint_batch(drafts, predictions)
-        else:
-            node_idx = [self.engine._select(d.tree, e, rb, None).node_idx for d, (e, rb) in zip(drafts, predictions)]
-        return [build_layout(d.tree, n, r) for d, n, r in zip(drafts, node_idx, roots)]
+            return self._joint_batch(valued, predictions)
+        return [self.engine._select(v, e, rb, None).node_idx for v, (e, rb) in zip(valued, predictions)]
 
-    def _joint_batch(self, drafts: list[Draft], predictions) -> list[torch.Tensor]:
-        trees = [d.tree for d in drafts]
+    @staticmethod
+    def _valued(active: _Active, draft: Draft) -> DraftTree:
+        if active.values is None:
+            return draft.tree
+        context = active.request.prompt_ids + active.request.output_ids
+        return with_values(draft.tree, active.values.values(draft.tree, draft, context))
+
+    def _joint_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
         N = max(t.num_nodes for t in trees)
         pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
         scores = torch.cat([pad(t.scores, 0.0) for t in trees])
@@ -203,12 +215,15 @@ class BatchedEngine:
         sel = joint_batch_select(scores, parents, valid, traj, root_bits, cost, budget * len(trees), budget)
         return [sel.node_idx[b:b + 1] for b in range(len(trees))]
 
-    def _finish(self, active: _Active, draft: Draft | None, experts, layout: TreeLayout, out: TargetOutput):
+    def _finish(self, active: _Active, draft: Draft | None, experts, node_idx: torch.Tensor, layout: TreeLayout,
+                out: TargetOutput):
         """Acceptance rule, commit and stats for one request (exactly as `SpecEngine._step`)."""
         request, engine = active.request, self.engine
         t0 = time.perf_counter()
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
+        if active.values is not None and draft is not None:  # the step's outcome updates the request's values
+            active.values.observe(draft.tree, node_idx, accepted_nodes(node_idx, result.accepted_pos))
         t0 = time.perf_counter()
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
