@@ -11,6 +11,7 @@ import pytest
 from trtllm_moespec import SamplingParams
 from trtllm_moespec.serve.engine import RoundRobinEngine
 from trtllm_moespec.serve.scheduler import FinishEvent, QueueFull, Scheduler, TokenEvent
+from trtllm_moespec.serve.server import make_engine
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# a comment\n"]
 
@@ -31,15 +32,25 @@ class _Collector:
             self.done.set()
 
 
-class _WatchedEngine(RoundRobinEngine):
-    """The real engine, recording every step's batch size."""
+class _Watched:
+    """A real serving engine, recording every step's batch size."""
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
+    def __init__(self, inner):
+        self.inner, self.max_batch_size = inner, inner.max_batch_size
         self.batch_sizes: list[int] = []
 
+    @property
+    def num_active(self) -> int:
+        return self.inner.num_active
+
+    def add(self, request) -> None:
+        self.inner.add(request)
+
+    def abort(self, request) -> None:
+        self.inner.abort(request)
+
     def step(self):
-        outputs, stats = super().step()
+        outputs, stats = self.inner.step()
         self.batch_sizes.append(stats.batch_size)
         return outputs, stats
 
@@ -50,9 +61,10 @@ def _wait(collectors, timeout=120.0):
         assert c.done.wait(max(deadline - time.monotonic(), 0.1)), "a request never finished"
 
 
-def test_outputs_equal_single_requests_and_batch_is_bounded(tiny_llm):
+@pytest.mark.parametrize("kind", ["round-robin", "batched"])
+def test_outputs_equal_single_requests_and_batch_is_bounded(tiny_llm, kind):
     params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=10, temperature=0.9, seed=3)]
-    engine = _WatchedEngine(tiny_llm.engine, max_batch_size=2)
+    engine = _Watched(make_engine(tiny_llm, 2, kind))
     scheduler = Scheduler(engine, max_queue=8)
     scheduler.start()
     try:
@@ -84,8 +96,9 @@ def test_queue_bound(tiny_llm):
     assert scheduler.queue_depth == 2
 
 
-def test_cancel_frees_the_slot_for_the_next_request(tiny_llm):
-    engine = RoundRobinEngine(tiny_llm.engine, max_batch_size=1)
+@pytest.mark.parametrize("kind", ["round-robin", "batched"])
+def test_cancel_frees_the_slot_for_the_next_request(tiny_llm, kind):
+    engine = make_engine(tiny_llm, 1, kind)
     scheduler = Scheduler(engine, max_queue=4)
     long = tiny_llm.make_request(tiny_llm.encode(PROMPTS[0])[0], SamplingParams(max_tokens=500, ignore_eos=True))
     short = tiny_llm.make_request(tiny_llm.encode(PROMPTS[1])[0], SamplingParams(max_tokens=4))

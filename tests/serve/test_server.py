@@ -175,3 +175,22 @@ def test_server_stops_cleanly(tiny_llm):
     assert not server.scheduler.alive and not server._thread.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_joint_batch_server_matches_single_requests():
+    """`--policy joint-batch`: nodes chosen across the batch; T=0 text still equals running alone."""
+    from trtllm_moespec import LLM
+
+    llm = LLM(model="moespec-tiny", policy="joint")
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = [o.text for o in llm.generate(PROMPTS[:4], greedy)]
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*[_stream(client, "/v1/completions", {"prompt": p, "max_tokens": MAX_TOKENS,
+                                                                              "temperature": 0}) for p in PROMPTS[:4]])
+
+    with ServerThread(llm, max_batch_size=4, engine="joint-batch") as server:
+        results = _run(clients(server.url))
+        steps = server.scheduler.metrics.iterations
+    assert [text for text, _, _ in results] == expected and steps > 0
