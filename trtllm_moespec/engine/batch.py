@@ -103,6 +103,15 @@ class BatchedEngine:
         # slot that a later request already holds).
         self._active.pop(id(request), None)
 
+    def run_all(self, requests: list[Request]) -> None:
+        """Run requests to completion with continuous batching (admit as many as fit before each
+        step): the synchronous entry point for batch callers such as the runtime Executor."""
+        waiting = list(requests)
+        while waiting or self._active:
+            while waiting and len(self._active) < self.max_batch_size:
+                self.add(waiting.pop(0))
+            self.step()
+
     # ------------------------------------------------------------------ one step
     def step(self) -> tuple[list[BatchStepOutput], float]:
         """Advance every admitted request; returns their outputs and the batch's unique experts
