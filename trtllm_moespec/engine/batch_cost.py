@@ -8,8 +8,9 @@
   seconds - c_tok * k - c_exp * U. Before any step at B it is B * c0 (pessimistic: no sharing).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
-  an unmeasured mode is tried first and the losing mode is re-tried every `probe_every`
-  steps, so a change in the text or the context length is noticed.
+  an unmeasured mode is tried first and the losing mode is re-tried after `probe_every`
+  steps, an interval that doubles (up to `max_probe_every`) while the probes keep losing, so a
+  change in the text or the context length is noticed without paying for many lost probes.
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ class BatchCosts:
 class GoodputGuard:
     """Chooses per step between speculative and plain decoding by measured goodput."""
 
-    def __init__(self, alpha: float = 0.3, probe_every: int = 16):
-        if not 0 < alpha <= 1 or probe_every < 2:
-            raise ValueError(f"alpha must lie in (0, 1] and probe_every >= 2, got {alpha}, {probe_every}")
-        self.alpha, self.probe_every = alpha, probe_every
+    def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 256):
+        if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every:
+            raise ValueError(f"need alpha in (0, 1] and 2 <= probe_every <= max_probe_every, got {alpha}, "
+                             f"{probe_every}, {max_probe_every}")
+        self.alpha, self.probe_every, self.max_probe_every = alpha, probe_every, max_probe_every
         self._goodput: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> tokens/s EMA
-        self._steps: dict[int, int] = {}
+        self._until_probe: dict[int, int] = {}  # steps left before the losing mode is tried again
+        self._interval: dict[int, int] = {}  # current probe interval (doubles while the loser keeps losing)
 
     def speculate(self, batch_size: int) -> bool:
         spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
@@ -59,13 +62,25 @@ class GoodputGuard:
             return True
         if plain is None:
             return False
-        n = self._steps.get(batch_size, 0)
         best = spec >= plain
-        return (not best) if n % self.probe_every == self.probe_every - 1 else best
+        return (not best) if self._until_probe.get(batch_size, 0) <= 0 else best
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        before = self._winner(batch_size)
+        probed = before is not None and speculated != before
         rate = tokens / max(seconds, 1e-9)
         key = (batch_size, speculated)
         old = self._goodput.get(key)
         self._goodput[key] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-        self._steps[batch_size] = self._steps.get(batch_size, 0) + 1
+        after = self._winner(batch_size)
+        interval = self._interval.get(batch_size, self.probe_every)
+        if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
+            interval = min(2 * interval, self.max_probe_every) if after == before else self.probe_every
+            self._interval[batch_size] = interval
+            self._until_probe[batch_size] = interval
+        else:
+            self._until_probe[batch_size] = self._until_probe.get(batch_size, interval) - 1
+
+    def _winner(self, batch_size: int) -> bool | None:
+        spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
+        return None if spec is None or plain is None else spec >= plain

@@ -1,0 +1,47 @@
+"""Per-batch-size costs and the goodput guard (plain arithmetic, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtllm_moespec.core.cost import ExpertCostModel
+from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
+
+
+def test_batch_costs_measure_the_intercept_per_batch_size():
+    costs = BatchCosts(ExpertCostModel(0.01, 0.001, 0.0001))
+    assert costs.model(4).c0 == pytest.approx(0.04)  # unmeasured: no sharing assumed
+    for seconds in (0.020, 0.022, 0.030):
+        costs.record(4, num_nodes=10, unique_pairs=100, seconds=seconds)
+    m = costs.model(4)
+    assert m.c0 == pytest.approx(0.022 - 0.010 - 0.010) and (m.c_tok, m.c_exp) == (0.001, 0.0001)
+    assert costs.model(2).c0 == pytest.approx(0.02)
+    fixed = BatchCosts(ExpertCostModel(0.01, 0.001, 0.0001), measure=False)
+    fixed.record(4, 10, 100, 1.0)
+    assert fixed.model(4).c0 == pytest.approx(0.04)
+
+
+def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
+    guard = GoodputGuard(alpha=1.0, probe_every=2, max_probe_every=8)
+    assert guard.speculate(4) is True
+    guard.record(4, True, tokens=4, seconds=1.0)  # speculation: 4 tokens/s
+    assert guard.speculate(4) is False
+    guard.record(4, False, tokens=4, seconds=0.5)  # plain: 8 tokens/s wins
+    choices = []
+    for _ in range(40):
+        spec = guard.speculate(4)
+        choices.append(spec)
+        guard.record(4, spec, 4, 1.0 if spec else 0.5)
+    probes = [i for i, c in enumerate(choices) if c]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and gaps == sorted(gaps) and gaps[-1] == 9  # intervals double up to the cap (8 plain steps)
+    guard.record(4, True, tokens=40, seconds=1.0)  # speculation became better
+    assert guard.speculate(4) is True
+    assert guard.speculate(2) is True  # batch sizes are measured separately
+
+
+def test_guard_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        GoodputGuard(alpha=0)
+    with pytest.raises(ValueError):
+        GoodputGuard(probe_every=64, max_probe_every=32)
