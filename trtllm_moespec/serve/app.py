@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..api import LLM
 from ..engine.engine import Request
 from .detokenize import TextStream
+from .engine import make_request
 from .protocol import BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion, usage
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
 
@@ -63,9 +64,7 @@ class Server:
             params = req.params
             if req.max_tokens is None:  # chat default: the rest of the context
                 params = replace(params, max_tokens=max(self.llm.target.max_position_embeddings - len(ids), 1))
-            request = self.llm.make_request(ids, params)
-            if request.stop_check is not None:
-                request.stop_check = self._locked(request.stop_check)
+            request = make_request(self.llm, ids, params, self._tokenizer_lock)
             choices.append(_Choice(i, request, TextStream(self.decode, params.stop)))
         return choices
 
@@ -85,13 +84,6 @@ class Server:
     def decode(self, ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
             return self.llm._decode(ids)
-
-    def _locked(self, check):
-        def locked_check(output_ids: list[int]) -> int | None:
-            with self._tokenizer_lock:
-                return check(output_ids)
-
-        return locked_check
 
     def submit(self, choices: list[_Choice]) -> asyncio.Queue:
         """Queue every choice; on QueueFull the ones already queued are cancelled."""

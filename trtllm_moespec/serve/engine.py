@@ -13,13 +13,31 @@ requests only between steps (continuous batching). Two engines implement it:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from ..engine.batch import BatchedEngine
 from ..engine.engine import Request, SpecEngine
 from ..engine.stats import StepStats
+
+if TYPE_CHECKING:
+    from ..api import LLM, SamplingParams
+
+
+def make_request(llm: "LLM", ids: list[int], params: "SamplingParams", tokenizer_lock: threading.Lock) -> Request:
+    """A checked engine request (ValueError on bad input) whose stop-string check, which runs on
+    the scheduler thread, takes `tokenizer_lock`: the tokenizer is shared with the caller's threads."""
+    request = llm.make_request(ids, params)
+    check = request.stop_check
+    if check is not None:
+        def locked_check(output_ids: list[int]) -> int | None:
+            with tokenizer_lock:
+                return check(output_ids)
+
+        request.stop_check = locked_check
+    return request
 
 
 @dataclass(frozen=True)
