@@ -37,7 +37,16 @@ def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
     assert probes and gaps == sorted(gaps) and gaps[-1] == 9  # intervals double up to the cap (8 plain steps)
     guard.record(4, True, tokens=40, seconds=1.0)  # speculation became better
     assert guard.speculate(4) is True
-    assert guard.speculate(2) is True  # batch sizes are measured separately
+    assert guard.speculate(2) is True  # batch sizes are measured separately, smaller ones from scratch
+
+
+def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
+    guard = GoodputGuard(alpha=1.0)
+    guard.record(2, True, 4, 1.0)
+    guard.record(2, False, 4, 0.5)  # at B=2 plain wins
+    assert guard.speculate(4) is False  # so B=4 starts plain...
+    guard.record(4, False, 8, 0.5)
+    assert guard.speculate(4) is True  # ...and still measures speculation once
 
 
 def test_guard_rejects_bad_settings():

@@ -8,7 +8,9 @@
   seconds - c_tok * k - c_exp * U. Before any step at B it is B * c0 (pessimistic: no sharing).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
-  an unmeasured mode is tried first and the losing mode is re-tried after `probe_every`
+  an unmeasured mode is tried first (at a new batch size, plain decoding first when speculation
+  lost at the nearest smaller measured one: EcoSpec measures its pay-off shrinking as B grows),
+  and the losing mode is re-tried after `probe_every`
   steps, an interval that doubles (up to `max_probe_every`) while the probes keep losing, so a
   change in the text or the context length is noticed without paying for many lost probes.
 """
@@ -58,6 +60,8 @@ class GoodputGuard:
 
     def speculate(self, batch_size: int) -> bool:
         spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
+        if spec is None and plain is None and self._lost_below(batch_size):
+            return False  # speculation already lost at a smaller batch; it only gets dearer as B grows
         if spec is None:
             return True
         if plain is None:
@@ -80,6 +84,11 @@ class GoodputGuard:
             self._until_probe[batch_size] = interval
         else:
             self._until_probe[batch_size] = self._until_probe.get(batch_size, interval) - 1
+
+    def _lost_below(self, batch_size: int) -> bool:
+        """Speculation lost at the largest smaller batch size where both modes were measured."""
+        measured = [b for b in range(batch_size - 1, 0, -1) if self._winner(b) is not None]
+        return bool(measured) and self._winner(measured[0]) is False
 
     def _winner(self, batch_size: int) -> bool | None:
         spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
