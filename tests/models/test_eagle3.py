@@ -176,6 +176,20 @@ def test_ddd_stops_drafting_when_the_frontier_score_is_low(target, drafter):
     assert always.num_forwards == 0 and always.tree.num_nodes == 2
 
 
+def test_should_expand_rule_is_asked_before_every_expansion(target, drafter):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    _, dcache, _ = _prefilled(target, drafter, ids)
+    full = drafter.draft_tree(dcache, steps=4, topk=2)
+    seen = []
+
+    def two_expansions(tree, frontier):
+        seen.append((tree.num_nodes, frontier.numel()))
+        return len(seen) <= 2
+    cut = drafter.draft_tree(dcache, steps=4, topk=2, should_expand=two_expansions)
+    assert seen == [(2, 2), (6, 2), (10, 2)]  # asked with the tree so far and its frontier, before each step
+    assert cut.num_forwards == 2 and torch.equal(cut.tree.token_ids, full.tree.token_ids[:, :10])
+
+
 def test_drafter_works_on_gpt_oss_features(tmp_path):
     target = TargetModel(build_hf(gpt_oss_config(), seed=2))
     drafter = load_eagle3(write_random_drafter(target.config, tmp_path / "g"), target=target)
