@@ -123,3 +123,30 @@ def test_long_generation_grows_the_cache_and_stays_exact(saved_qwen):
         ref = model(ids).logits[0, -1]
     assert target._pool.max_len >= 40
     torch.testing.assert_close(out.logits[0, -1], ref, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_static_shape_forward_equals_the_eager_forward(arch):
+    """forward_static (what the CUDA graphs capture: tensor prefix length, whole-cache attention)
+    gives the eager forward's outputs, with a padded bucket's extra rows ignored."""
+    config = qwen3_moe_config() if arch == "qwen3_moe" else gpt_oss_config()
+    lean = TargetModel(build_hf(config, seed=3), model_impl="lean").lean
+    prompt = torch.randint(0, 128, (1, 13), generator=torch.Generator().manual_seed(3))
+    layout = build_layout(_tree(5, 7), torch.arange(5)[None], torch.tensor([9]))
+    P, T, bucket = 13, 6, 8
+    outs = []
+    for static in (False, True):
+        pool = lean.new_cache(64)
+        lean.forward(pool, ForwardBatch(prompt, torch.arange(P)[None], (0,), (0,)))
+        if not static:
+            outs.append(lean.forward(pool, ForwardBatch(layout.token_ids, layout.position_ids(P), (0,), (P,),
+                                                        layout.tree_mask())))
+            continue
+        ids = torch.cat([layout.token_ids, torch.zeros(1, bucket - T, dtype=torch.int64)], 1)
+        pos = torch.cat([layout.position_ids(P), torch.full((1, bucket - T), P)], 1)
+        mask = torch.eye(bucket, dtype=torch.bool)[None].clone()
+        mask[:, :T, :T] = layout.tree_mask()
+        out = lean.forward_static(pool, ids, pos, (0,), torch.tensor([P]), mask)
+        outs.append(out)
+    torch.testing.assert_close(outs[1].logits[:, :T], outs[0].logits, atol=1e-5, rtol=0)
+    assert torch.equal(outs[1].expert_ids[:, :T], outs[0].expert_ids)

@@ -38,31 +38,39 @@ def build_masks(prefix_lens: tuple[int, ...], positions: torch.Tensor, tree_mask
     """Masks for a forward whose request b has `prefix_lens[b]` committed keys and T new tokens
     at `positions` [B, T]; tree_mask [B, T, T] bool (None = causal among the new tokens)."""
     B, T = positions.shape
-    device = positions.device
     end = max(prefix_lens) + T
-    same_prefix = len(set(prefix_lens)) == 1
+    P = torch.tensor(prefix_lens, device=positions.device)
     full = None
-    if has_full and not (T == 1 and same_prefix):  # one new token per request: every key is visible
-        full = _additive(_allowed(prefix_lens, positions, tree_mask, 0, end, None), dtype)
+    if has_full and not (T == 1 and len(set(prefix_lens)) == 1):  # one new token each: every key is visible
+        full = _additive(_allowed(P, positions, tree_mask, 0, end, None), dtype)
     sliding, sliding_start = None, 0
     if window is not None:
         sliding_start = max(0, min(prefix_lens) - window + 1)
-        sliding = _additive(_allowed(prefix_lens, positions, tree_mask, sliding_start, end, window), dtype)
+        sliding = _additive(_allowed(P, positions, tree_mask, sliding_start, end, window), dtype)
     return AttentionMasks(full, 0, sliding, sliding_start, end)
 
 
-def _allowed(prefix_lens, positions, tree_mask, start: int, end: int, window: int | None) -> torch.Tensor:
-    """[B, T, end - start] bool visibility of cache indices start..end-1."""
+def build_static_masks(prefix_lens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                       dtype: torch.dtype, window: int | None, max_len: int) -> AttentionMasks:
+    """The same masks over the whole cache range [0, max_len), from tensors only: shapes never
+    depend on the prefix lengths and nothing reads back to the host (CUDA-graph capturable)."""
+    full = _additive(_allowed(prefix_lens, positions, tree_mask, 0, max_len, None), dtype)
+    sliding = None if window is None else _additive(_allowed(prefix_lens, positions, tree_mask, 0, max_len, window), dtype)
+    return AttentionMasks(full, 0, sliding, 0, max_len)
+
+
+def _allowed(P: torch.Tensor, positions, tree_mask, start: int, end: int, window: int | None) -> torch.Tensor:
+    """[B, T, end - start] bool visibility of cache indices start..end-1; P [B] prefix lengths."""
     B, T = positions.shape
     device = positions.device
-    P = torch.tensor(prefix_lens, device=device)[:, None, None]  # [B, 1, 1]
     idx = torch.arange(start, end, device=device)[None, None, :]  # [1, 1, K]
-    rel = idx - P  # [B, 1, K] index among this forward's new keys (< 0: committed)
+    rel = idx - P.reshape(B, 1, 1)  # [B, 1, K] index among this forward's new keys (< 0: committed)
     if tree_mask is None:
         new_visible = rel <= torch.arange(T, device=device)[None, :, None]
     else:
-        padded = F.pad(tree_mask, (0, end - start + T, 0, 0))  # rel beyond T reads False
-        new_visible = padded.gather(2, rel.clamp(0, padded.shape[2] - 1).expand(B, T, -1))
+        padded = F.pad(tree_mask, (0, 1))  # column T reads False: every rel outside [0, T) lands there
+        col = torch.where((rel >= 0) & (rel < T), rel, T)
+        new_visible = padded.gather(2, col.expand(B, T, -1))
     allowed = (rel < 0) | ((rel < T) & new_visible)
     if window is not None:
         key_pos = torch.where(rel < 0, idx, positions.gather(1, rel.clamp(0, T - 1)[:, 0])[:, None, :])

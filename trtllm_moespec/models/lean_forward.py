@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import StaticKVCache
-from .lean_attention import AttentionMasks, apply_rotary, attend, build_masks
+from .lean_attention import AttentionMasks, apply_rotary, attend, build_masks, build_static_masks
 from .moe import ExpertWeights, RouterWeights, gpt_oss_weights, qwen3_moe_weights, route, routed_experts
 
 
@@ -125,22 +125,38 @@ class LeanForward:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, cache: StaticKVCache, batch: ForwardBatch) -> LeanOutput:
-        B, T = batch.input_ids.shape
-        cache.ensure_len(max(batch.prefix_lens) + T)
+        """Run B requests' new tokens; reads only the cache ranges they need (host-side lengths)."""
+        cache.ensure_len(max(batch.prefix_lens) + batch.input_ids.shape[1])
         masks = build_masks(batch.prefix_lens, batch.positions, batch.tree_mask, self.embed.dtype, self.window,
                             self.has_full)
-        cos, sin = self._rope(batch.positions, cache.max_len)
-        h = F.embedding(batch.input_ids, self.embed)  # [B, T, H]
+        io = _HostIndexedIO(batch.slots, batch.prefix_lens)
+        return self._decode(cache, batch.input_ids, batch.positions, masks, io, batch.logits_to_keep)
+
+    @torch.no_grad()
+    def forward_static(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                       slots: tuple[int, ...], prefix_lens: torch.Tensor, tree_mask: torch.Tensor | None,
+                       logits_to_keep: int = 0) -> LeanOutput:
+        """The same forward with static shapes and no host reads: prefix_lens [B] is a tensor,
+        every request attends over the whole cache [0, max_len) under a mask (CUDA-graph capturable;
+        the cache must already be long enough)."""
+        masks = build_static_masks(prefix_lens, positions, tree_mask, self.embed.dtype, self.window, cache.max_len)
+        io = _TensorIndexedIO(slots, prefix_lens, input_ids.shape[1])
+        return self._decode(cache, input_ids, positions, masks, io, logits_to_keep)
+
+    def _decode(self, cache, input_ids, positions, masks: AttentionMasks, io, logits_to_keep: int) -> LeanOutput:
+        B, T = input_ids.shape
+        cos, sin = self._rope(positions, cache.max_len)
+        h = F.embedding(input_ids, self.embed)  # [B, T, H]
         hidden, expert_ids = [], []
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:
                 hidden.extend([h] * self.capture_layers.count(i))
-            h = h + self._attention(layer, self._norm(h, layer.input_norm), cache, i, batch, masks, cos, sin)
+            h = h + self._attention(layer, self._norm(h, layer.input_norm), cache, i, io, masks, cos, sin)
             mlp_out, ids = self._mlp(layer, self._norm(h, layer.post_norm))
             h = h + mlp_out
             if ids is not None:
                 expert_ids.append(ids.view(B, T, -1))
-        keep = h if batch.logits_to_keep == 0 else h[:, -batch.logits_to_keep:]
+        keep = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
         logits = self.lm_head(self._norm(keep, self.final_norm)).float()
         return LeanOutput(logits=logits, hidden=torch.cat(hidden, dim=-1), expert_ids=torch.stack(expert_ids, dim=2))
 
@@ -151,8 +167,8 @@ class LeanForward:
             return (weight * xf).to(x.dtype)
         return weight * xf.to(x.dtype)
 
-    def _attention(self, layer: _Layer, x, cache: StaticKVCache, i: int, batch: ForwardBatch,
-                   masks: AttentionMasks, cos, sin) -> torch.Tensor:
+    def _attention(self, layer: _Layer, x, cache: StaticKVCache, i: int, io, masks: AttentionMasks,
+                   cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
@@ -163,7 +179,7 @@ class LeanForward:
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         start = masks.sliding_start if layer.sliding else masks.full_start
-        keys, values = _write_and_read(cache, i, batch, k, v.transpose(1, 2), start, masks.end)
+        keys, values = io.write_and_read(cache, i, k, v.transpose(1, 2), start, masks.end)
         mask = masks.sliding if layer.sliding else masks.full
         out = attend(q, keys, values, mask, self.scale, layer.sinks)  # [B, T, Hq D]
         return F.linear(out, layer.o_proj, layer.o_bias)
@@ -181,22 +197,46 @@ class LeanForward:
         return routed_experts(flat, ids, weights, layer.experts).view_as(x), ids
 
 
-def _write_and_read(cache: StaticKVCache, layer: int, batch: ForwardBatch, k, v, start: int, end: int):
-    """Write this forward's k/v [B, Hkv, T, D] at `prefix_len + t` of each request's slot and read
-    back the slot ranges [start, end) as [B, Hkv, end - start, D]."""
-    kc, vc = cache.layer(layer)  # [slots, Hkv, max_len, D]
-    B, _, T, _ = k.shape
-    if B == 1:  # views, no gather
-        s, P = batch.slots[0], batch.prefix_lens[0]
-        kc[s, :, P:P + T] = k[0]
-        vc[s, :, P:P + T] = v[0]
-        return kc[s:s + 1, :, start:end], vc[s:s + 1, :, start:end]
-    slots = torch.tensor(batch.slots, device=k.device)
-    idx = torch.tensor(batch.prefix_lens, device=k.device)[:, None] + torch.arange(T, device=k.device)  # [B, T]
-    sl = slots[:, None].expand(B, T)
-    kc[sl, :, idx] = k.transpose(1, 2)  # advanced indices on dims 0 and 2: value is [B, T, Hkv, D]
-    vc[sl, :, idx] = v.transpose(1, 2)
-    return kc[slots, :, start:end], vc[slots, :, start:end]
+class _HostIndexedIO:
+    """Cache writes/reads addressed by host-side slots and prefix lengths (eager forwards)."""
+
+    def __init__(self, slots: tuple[int, ...], prefix_lens: tuple[int, ...]):
+        self.slots, self.prefix_lens = slots, prefix_lens
+
+    def write_and_read(self, cache: StaticKVCache, layer: int, k, v, start: int, end: int):
+        """Write k/v [B, Hkv, T, D] at `prefix_len + t` of each request's slot; read back the slot
+        ranges [start, end) as [B, Hkv, end - start, D]."""
+        kc, vc = cache.layer(layer)  # [slots, Hkv, max_len, D]
+        B, _, T, _ = k.shape
+        if B == 1:  # views, no gather
+            s, P = self.slots[0], self.prefix_lens[0]
+            kc[s, :, P:P + T] = k[0]
+            vc[s, :, P:P + T] = v[0]
+            return kc[s:s + 1, :, start:end], vc[s:s + 1, :, start:end]
+        slots = torch.tensor(self.slots, device=k.device)
+        idx = torch.tensor(self.prefix_lens, device=k.device)[:, None] + torch.arange(T, device=k.device)  # [B, T]
+        sl = slots[:, None].expand(B, T)
+        kc[sl, :, idx] = k.transpose(1, 2)  # advanced indices on dims 0 and 2: value is [B, T, Hkv, D]
+        vc[sl, :, idx] = v.transpose(1, 2)
+        return kc[slots, :, start:end], vc[slots, :, start:end]
+
+
+class _TensorIndexedIO:
+    """Cache writes addressed by a prefix-length tensor; reads the whole slot (static shapes)."""
+
+    def __init__(self, slots: tuple[int, ...], prefix_lens: torch.Tensor, num_new: int):
+        self.slots = slots
+        self.write_idx = prefix_lens.reshape(-1, 1) + torch.arange(num_new, device=prefix_lens.device)  # [B, T]
+
+    def write_and_read(self, cache: StaticKVCache, layer: int, k, v, start: int, end: int):
+        kc, vc = cache.layer(layer)
+        reads_k, reads_v = [], []
+        for b, s in enumerate(self.slots):
+            kc[s].index_copy_(1, self.write_idx[b], k[b])
+            vc[s].index_copy_(1, self.write_idx[b], v[b])
+            reads_k.append(kc[s, :, start:end])
+            reads_v.append(vc[s, :, start:end])
+        return torch.stack(reads_k), torch.stack(reads_v)
 
 
 def _fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
