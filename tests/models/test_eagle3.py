@@ -198,3 +198,25 @@ def test_drafter_works_on_gpt_oss_features(tmp_path):
     tree = drafter.draft_tree(dcache, steps=2, topk=3).tree
     tree.validate()
     assert tree.num_nodes == 3 + 9
+
+
+def test_pruned_vocabulary_proposes_the_top_kept_tokens(target, tmp_path):
+    full = load_eagle3(write_random_drafter(target.config, tmp_path / "p", seed=5), target=target)
+    pruned = load_eagle3(tmp_path / "p", target=target)
+    keep = torch.arange(0, 128, 3)  # every third target token
+    pruned.prune_vocab(keep)
+    assert pruned.config.draft_vocab_size == keep.numel() and int(pruned.t2d.sum()) == keep.numel()
+    assert torch.equal(pruned.to_target_ids(torch.arange(keep.numel())), keep)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(6))
+    caches = []
+    for d in (full, pruned):
+        _, dcache, _ = _prefilled(target, d, ids)
+        caches.append(dcache)
+    # The pruned head's logits are the full head's logits at the kept tokens.
+    torch.testing.assert_close(caches[1].last_logits[0], caches[0].last_logits[0, keep], atol=1e-5, rtol=0)
+    tree = pruned.draft_tree(caches[1], steps=3, topk=4).tree
+    assert bool(torch.isin(tree.token_ids[tree.valid], keep).all())
+    full_logits = caches[0].last_logits[0, keep]
+    assert torch.equal(tree.token_ids[0, :4], keep[full_logits.topk(4).indices])
+    with pytest.raises(ValueError, match="empty draft vocabulary"):
+        pruned.prune_vocab(torch.tensor([1]))  # 1 is not in the kept set

@@ -150,3 +150,16 @@ def test_static_shape_forward_equals_the_eager_forward(arch):
         outs.append(out)
     torch.testing.assert_close(outs[1].logits[:, :T], outs[0].logits, atol=1e-5, rtol=0)
     assert torch.equal(outs[1].expert_ids[:, :T], outs[0].expert_ids)
+
+
+def test_a_tree_at_the_position_limit_fits_in_the_cache():
+    """Cache indices are not positions: tree slots past max_position_embeddings must still fit."""
+    model = build_hf(qwen3_moe_config(max_position_embeddings=32), seed=4)
+    target = TargetModel(model, model_impl="lean")
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
+    cache = target.new_cache()
+    target.prefill(cache, ids)
+    parents = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 2]])  # depth <= 2: positions <= 32, cache indices up to 38
+    tree = DraftTree.from_parents(torch.arange(8)[None], parents, torch.full((1, 8), 0.5))
+    out = target.verify(cache, build_layout(tree, torch.arange(8)[None], torch.tensor([5])))
+    assert out.logits.shape == (1, 9, 128) and bool(torch.isfinite(out.logits).all())

@@ -133,6 +133,13 @@ class Eagle3Cache:
         return self.kv
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Llama form: normalise in float32, cast back, scale)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -140,9 +147,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _rms(x, self.weight, self.eps)
 
 
 class _Attention(nn.Module):
@@ -238,7 +243,7 @@ class Eagle3Drafter(nn.Module):
         embeds = embeds.to(self.fc.weight.dtype)
         h = hidden_states.to(self.fc.weight.dtype)
         if h.shape[-1] == self.fc.in_features:
-            h = self.fc(h)
+            h = F.linear(h, self.fc.weight)
         elif h.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden_states width {h.shape[-1]} is neither 3*target_hidden_size "
                              f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
@@ -248,20 +253,24 @@ class Eagle3Drafter(nn.Module):
             position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
         if attention_mask is None:
             attention_mask = causal_mask(S, T, h.dtype, h.device)
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], dim=-1)
+        # Functional calls on the modules' parameters: the same math, without nn.Module call overhead
+        # on the per-step drafting path.
+        layer, eps = self.midlayer, self.config.rms_norm_eps
+        x = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), _rms(h, layer.hidden_norm.weight, eps)], dim=-1)
         attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv, cache_kv, S)
         h = h + attn
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.norm(h)).float()
+        mlp, y = layer.mlp, _rms(h, layer.post_attention_layernorm.weight, eps)
+        h = h + F.linear(mlp.act_fn(F.linear(y, mlp.gate_proj.weight)) * F.linear(y, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+        logits = F.linear(_rms(h, self.norm.weight, eps), self.lm_head.weight).float()
         return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
 
     def _attention(self, x, position_ids, attention_mask, past_kv, cache_kv=None, start: int = 0):
         a = self.midlayer.self_attn
         B, T, _ = x.shape
-        q = a.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q = F.linear(x, a.q_proj.weight).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = F.linear(x, a.k_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = F.linear(x, a.v_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         cos, sin = self._rope(x, position_ids)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -274,7 +283,7 @@ class Eagle3Drafter(nn.Module):
             all_v = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)
         out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=attention_mask.to(q.dtype),
                                              enable_gqa=a.num_heads != a.num_kv_heads)
-        out = a.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
         return out, k, v
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +302,31 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids: d + d2t[d]."""
         return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def prune_vocab(self, keep_target_ids: torch.Tensor) -> "Eagle3Drafter":
+        """Restrict the draft vocabulary to the target ids `keep_target_ids` [N] (in place, no
+        retraining): lm_head keeps the rows of those tokens and d2t / t2d describe the new set
+        (the SpecForge format). The softmax then runs over N rows instead of draft_vocab_size:
+        the top-k among kept tokens is unchanged, their probabilities are renormalised over the
+        kept set, and tokens outside it can no longer be proposed (drafting stays lossless)."""
+        current = self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        wanted = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.d2t.device)
+        wanted[keep_target_ids.to(self.d2t.device).long()] = True
+        rows = wanted[current].nonzero()[:, 0]  # draft ids to keep, ascending target ids stay ascending
+        if rows.numel() == 0:
+            raise ValueError("prune_vocab would leave an empty draft vocabulary")
+        head = nn.Linear(self.config.hidden_size, rows.numel(), bias=False).to(self.lm_head.weight)
+        head.weight.copy_(self.lm_head.weight[rows])
+        self.lm_head = head
+        kept = current[rows]
+        self.d2t = kept - torch.arange(kept.numel(), device=kept.device)
+        self.t2d = torch.zeros_like(self.t2d)
+        self.t2d[kept] = True
+        from dataclasses import replace
+
+        self.config = replace(self.config, draft_vocab_size=int(kept.numel()))
+        return self
 
     # -------------------------------------------------------- per-request cache
     def new_cache(self) -> Eagle3Cache:

@@ -55,8 +55,7 @@ class _Layer:
     post_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] fused projection (transformers' q/k/v weights are views of it)
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    q_norm: torch.Tensor | None  # [D] Qwen3 per-head norms
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D] Qwen3's per-head q_norm / k_norm weights, one row per head
     o_proj: torch.Tensor  # [H, Hq D]
     o_bias: torch.Tensor | None
     sinks: torch.Tensor | None  # [Hq] GPT-OSS
@@ -102,11 +101,19 @@ class LeanForward:
         return _Layer(
             input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
             qkv=qkv, qkv_bias=qkv_bias,
-            q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-            k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+            qk_norm=self._qk_norm(attn),
             o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias, sinks=getattr(attn, "sinks", None),
             sliding=sliding, router=router, experts=experts, dense_mlp=dense,
         )
+
+    def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
+        """q_norm and k_norm as one weight over the q and k heads (expanded views, no copy), so one
+        norm and one rotary call cover both."""
+        if not hasattr(attn, "q_norm"):
+            return None
+        D = self.head_dim
+        return torch.cat([attn.q_norm.weight[None].expand(self.num_heads, D),
+                          attn.k_norm.weight[None].expand(self.num_kv_heads, D)])
 
     def new_cache(self, max_len: int, num_slots: int = 1, max_len_cap: int | None = None) -> StaticKVCache:
         """A static cache for this model: one K/V entry per layer, slot and position."""
@@ -172,12 +179,13 @@ class LeanForward:
         B, T, _ = x.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-        if layer.q_norm is not None:
-            q, k = self._head_norm(q, layer.q_norm), self._head_norm(k, layer.k_norm)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        qk, v = qkv.split([(Hq + Hkv) * D, Hkv * D], dim=-1)
+        qk = qk.view(B, T, Hq + Hkv, D)
+        if layer.qk_norm is not None:  # per-head RMSNorm over q and k heads at once (Qwen3)
+            qk = self._head_norm(qk, layer.qk_norm)
+        qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [B, Hq + Hkv, T, D]: elementwise, so q and k together
+        q, k = qk[:, :Hq], qk[:, Hq:]
+        v = v.view(B, T, Hkv, D)
         start = masks.sliding_start if layer.sliding else masks.full_start
         keys, values = io.write_and_read(cache, i, k, v.transpose(1, 2), start, masks.end)
         mask = masks.sliding if layer.sliding else masks.full

@@ -35,7 +35,7 @@ from .kv_cache import StaticKVCache
 from .lean_forward import ForwardBatch, LeanForward
 
 MODEL_IMPLS = ("lean", "hf")
-DEFAULT_CACHE_LEN = 4096  # initial static-cache length per slot; grows on demand up to max_position_embeddings
+DEFAULT_CACHE_LEN = 4096  # initial static-cache length per slot (grows on demand)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class TargetModel:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.model_impl = model_impl
+        self._embed_weight = model.get_input_embeddings().weight  # Module.to() moves it in place
         self.lean: LeanForward | None = None
         self._pool: StaticKVCache | None = None
         if model_impl == "lean":
@@ -133,11 +134,11 @@ class TargetModel:
     # --------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return self._embed_weight.device  # read every step: the parameter is looked up once, in __init__
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
+        return self._embed_weight.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -179,8 +180,10 @@ class TargetModel:
 
             return TargetCache(kv=DynamicCache())
         if self._pool is None:
-            cap = self.max_position_embeddings
-            self._pool = self.lean.new_cache(min(DEFAULT_CACHE_LEN, cap), num_slots=1, max_len_cap=cap)
+            # Cache indices are not positions: a verify's tree slots sit past the committed tokens,
+            # so a request at the position limit still needs room for its tree. No cap here; the
+            # API rejects prompts longer than the context.
+            self._pool = self.lean.new_cache(min(DEFAULT_CACHE_LEN, self.max_position_embeddings + 256), num_slots=1)
         cache = TargetCache(kv=self._pool)
         cache.slot = self._pool.acquire(owner=cache)
         return cache
