@@ -74,7 +74,7 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
     spec = load_engine_spec(out)
     assert [p.verify_length for p in spec.profiles] == [4, 8, 16, 32]
     assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
-    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0rc0,<2.0.0"  # the default line: dynamic tree
+    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0.dev0,<2.0.0"  # the default line: dynamic tree
     preset = PRESETS[name]
     for p in spec.profiles:
         options = yaml.safe_load((out / p.options_yaml).read_text())
@@ -209,7 +209,7 @@ def test_policy_ddd_and_eager_policies_and_the_1_2_line(dirs, capsys):
     assert "cuda_graph_config: null" in (tmp / "cov" / "README.md").read_text()
     assert run(common + ["--policy", "eagle3", "--trtllm-line", "1.2", "--out", tmp / "old"], capsys)[0] == 0
     spec = load_engine_spec(tmp / "old")
-    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
+    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0.dev0"
     for p in spec.profiles:
         sc = yaml.safe_load((tmp / "old" / p.options_yaml).read_text())["speculative_config"]
         assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == sc["max_total_draft_tokens"] == p.verify_length
