@@ -18,7 +18,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
 from ..backends.trtllm.version import trtllm_available
@@ -91,6 +91,9 @@ class _PytorchBackend:
     def generate(self, prompts: Sequence[str], params: Any) -> list[Any]:
         return self.llm.generate(list(prompts), params)
 
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]:
+        return self.llm.stream(prompt, params)
+
     def shutdown(self) -> None:
         pass
 
@@ -141,6 +144,13 @@ class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines
             outputs.append(ExecutorOutput(completion.text, ids, acceptance_stats(len(ids), accepted, drafted)))
         return outputs
 
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]:
+        """One final event (token streaming through TensorRT-LLM's async API is not wired yet)."""
+        from ..api import StreamEvent
+
+        (output,) = self.generate([prompt], params)
+        yield StreamEvent(output.token_ids, output.text, output)
+
     def shutdown(self) -> None:
         self.llm.shutdown()
 
@@ -171,6 +181,14 @@ class Executor:
 
             sampling_params = SamplingParams()
         return self._impl.generate(prompts, sampling_params)
+
+    def stream(self, prompt: str, sampling_params: Any = None) -> Iterator[Any]:
+        """Stream one prompt: events with `.text` chunks, the last one carrying `.output`."""
+        if sampling_params is None:
+            from .. import SamplingParams
+
+            sampling_params = SamplingParams()
+        return self._impl.stream(prompt, sampling_params)
 
     def shutdown(self) -> None:
         self._impl.shutdown()
