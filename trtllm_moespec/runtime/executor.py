@@ -18,11 +18,10 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
 from ..backends.trtllm.version import trtllm_available
-from ..backends.trtllm.reach import worker_policy as trtllm_worker_policy  # noqa: F401 (re-exported)
 
 log = logging.getLogger("trtllm_moespec.runtime")
 
@@ -78,6 +77,17 @@ def acceptance_stats(num_tokens: int, accepted_draft_tokens: int, draft_tokens: 
     if steps == 0:
         return ExecutorStats(math.nan, math.nan, 0)
     return ExecutorStats(num_tokens / steps, draft_tokens / steps, steps)
+
+
+class ExecutorBackend(Protocol):
+    """What the Executor (and the Triton model through it) needs from a backend. The PyTorch
+    engine and TensorRT-LLM each implement it; a batched engine can replace `_PytorchBackend`."""
+
+    def generate(self, prompts: Sequence[str], params: Any) -> list[Any]: ...
+
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]: ...
+
+    def shutdown(self) -> None: ...
 
 
 class _PytorchBackend:
@@ -167,7 +177,7 @@ class Executor:
         if self.backend == "tensorrt_llm":
             log.warning("MoESpec executor: running %s on TensorRT-LLM (policy %s, %s mode)",
                         self.engine_dir, self.spec.policy, self.spec.mode)
-            self._impl = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
+            self._impl: ExecutorBackend = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
