@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 
 from .core.cost import CostTable
 from .core.policies import POLICIES, SelectionPolicy, make_policy
+from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
-from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, resolve_model
+from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, load_value_model, resolve_model
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -98,6 +99,7 @@ class LLM:
         ddd_threshold: float | None = None,
         override_profile: bool = False,
         model_impl: str = "lean",
+        values: str = "calibrated",
     ):
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
@@ -105,7 +107,13 @@ class LLM:
             raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {drafter!r}")
         if not isinstance(tree, TreeConfig):
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        if values not in VALUE_KINDS:
+            raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
         self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        if values == "head" and self.paths.acceptance_head is None:
+            raise ValueError(f"values='head' needs a learned acceptance head; {self.paths.model_id} ships none "
+                             "(use values='calibrated')")
+        self.values_name = values
         if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
             # Ours reads routing off the drafter's hidden state: no extra forward per step.
             self.paths = replace(self.paths, predictor=self.paths.predictor_head)
@@ -140,7 +148,9 @@ class LLM:
 
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
         predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
-        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device))
+        value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
+        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
+                                 value_model)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
