@@ -98,6 +98,7 @@ class LLM:
         policy_options: dict | None = None,
         ddd_threshold: float | None = None,
         override_profile: bool = False,
+        model_impl: str = "lean",
         values: str = "calibrated",
     ):
         if policy not in METHODS:
@@ -133,7 +134,7 @@ class LLM:
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
 
-        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
+        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
         self.tokenizer = _load_tokenizer(self.paths.target)
         self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
         source = None
