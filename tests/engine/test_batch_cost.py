@@ -40,11 +40,22 @@ def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
     assert guard.speculate(2) is True  # batch sizes are measured separately, smaller ones from scratch
 
 
+def test_probes_of_a_much_dearer_mode_are_spaced_to_cost_at_most_the_overhead():
+    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05)
+    guard.record(8, True, 8, 1.0)  # a speculative step: 10x the time of a plain one, fewer tokens per second
+    guard.record(8, False, 8, 0.1)
+    steps = 0
+    while not guard.speculate(8):
+        guard.record(8, False, 8, 0.1)
+        steps += 1
+    assert steps == 180  # (1.0 / 0.1 - 1) / 0.05
+
+
 def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
     guard = GoodputGuard(alpha=1.0)
     guard.record(2, True, 4, 1.0)
     guard.record(2, False, 4, 0.5)  # at B=2 plain wins
-    assert guard.speculate(4) is False  # so B=4 starts plain...
+    assert guard.speculate(4) is False and guard.speculate(1) is False  # so neighbours start plain...
     guard.record(4, False, 8, 0.5)
     assert guard.speculate(4) is True  # ...and still measures speculation once
 
