@@ -14,7 +14,7 @@ import transformers
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.core.cost import ExpertCostModel
 from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
-from trtllm_moespec.engine.batch_cost import BatchCosts
+from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
 from trtllm_moespec.core.layout import build_layout
 from trtllm_moespec.core.tree import DraftTree
 
@@ -56,17 +56,34 @@ def test_each_request_equals_running_it_alone(checkpoints, arch, policy):
     assert all(r.finish_reason == "length" for r in requests) and engine.num_active == 0
 
 
-def test_greedy_batch_equals_transformers_generate(checkpoints):
+@pytest.fixture(scope="module")
+def references_qwen(checkpoints):
     target, _ = checkpoints["qwen3_moe"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(target))
-    refs = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+    return [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def test_greedy_batch_equals_transformers_generate(checkpoints, references_qwen):
+    refs = references_qwen
     llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
     requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
     engine = BatchedEngine(llm.engine, max_batch_size=3, joint_batch=True)
     engine.run_all(requests)
     assert [r.output_ids for r in requests] == refs and engine.num_active == 0
     assert any(s.verified_tokens > 0 for r in requests for s in r.steps)  # it did speculate
+
+
+def test_plain_steps_defer_the_drafter_and_stay_exact(checkpoints, references_qwen):
+    """joint-batch alternating plain and speculative steps: plain steps skip the drafter, which
+    catches up in one extend before the next draft; greedy output stays transformers'."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    guard = GoodputGuard(alpha=1.0, probe_every=2, max_probe_every=2, probe_overhead=0.99)
+    engine = BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, goodput_guard=guard)
+    engine.run_all(requests)
+    assert [r.output_ids for r in requests] == references_qwen
+    assert {(4, True), (4, False)} <= set(guard._goodput)  # both modes ran at batch size 4
 
 
 def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):

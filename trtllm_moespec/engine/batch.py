@@ -23,7 +23,7 @@ scheduler). A request's slot is released when it finishes or is aborted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,10 @@ class _Active:
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
+    # Committed tokens of plain steps not yet fed to the EAGLE-3 drafter, and their target hiddens
+    # [1, 1, 3H] each: plain steps skip the drafter entirely; one extend catches it up before drafting.
+    pending_ids: list[int] = field(default_factory=list)
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class BatchedEngine:
     """
 
     def __init__(self, engine: SpecEngine, max_batch_size: int, joint_batch: bool = False,
-                 costs: BatchCosts | None = None, goodput_guard: bool = True):
+                 costs: BatchCosts | None = None, goodput_guard: bool | GoodputGuard = True):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if engine.policy.needs_target:
@@ -84,8 +88,11 @@ class BatchedEngine:
         self.max_batch_size = max_batch_size
         self.joint_batch = joint_batch
         self.costs = costs if costs is not None or not joint_batch else BatchCosts(engine.policy.cost_model)
-        self.guard = GoodputGuard() if joint_batch and goodput_guard else None
+        guard = goodput_guard if isinstance(goodput_guard, GoodputGuard) else (GoodputGuard() if goodput_guard else None)
+        self.guard = guard if joint_batch else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
+        # Plain steps of a drafting policy defer the EAGLE-3 drafter's cache extension (see _Active).
+        self._defer_drafter = joint_batch and hasattr(getattr(engine.draft_source, "drafter", None), "extend")
 
     # ------------------------------------------------------------------ admission
     @property
@@ -183,6 +190,10 @@ class BatchedEngine:
 
     # ------------------------------------------------------------------ stages
     def _draft(self, active: _Active) -> Draft:
+        if active.pending_ids:  # catch the drafter up on the tokens of plain steps, in one forward
+            ids = torch.tensor([active.pending_ids], dtype=torch.int64, device=self.target.device)
+            self.engine.draft_source.drafter.extend(active.draft_state, ids, torch.cat(active.pending_hidden, 1))
+            active.pending_ids, active.pending_hidden = [], []
         request = active.request
         context = request.prompt_ids + request.output_ids
         draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
@@ -237,7 +248,11 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine.draft_source.commit(active.draft_state, result, out)
+        if draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
+            active.pending_ids.append(int(result.emitted_ids[0, 0]))
+            active.pending_hidden.append(out.hidden[:, :1])
+        else:
+            engine.draft_source.commit(active.draft_state, result, out)
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         before = len(request.output_ids)
