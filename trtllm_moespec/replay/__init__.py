@@ -71,6 +71,9 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     f.add_argument("files", nargs="+")
     f.add_argument("--out", required=True)
     f.add_argument("--prior-weight", type=float, default=50.0)
+    f.add_argument("--num-depths", type=int, default=4)
+    f.add_argument("--num-ranks", type=int, default=3)
+    f.add_argument("--no-copy", action="store_true", help="do not split groups by the context-copy feature")
     return p
 
 
@@ -204,24 +207,24 @@ def _fit(args, argv) -> int:
     from ..core.values import Calibrator
     from .records import ReplayFile
 
+    scheme = Calibrator(prior_weight=args.prior_weight, num_depths=args.num_depths, num_ranks=args.num_ranks,
+                        copy=not args.no_copy)
     samples: dict[float, list] = {}
-    depth_max = 1
     for path in args.files:
         rf = ReplayFile.load(path)
         for s in range(rf.num_steps):
             step = rf.step(s)
-            v = step.tree.valid[0]
-            d = step.tree.depth[0][v].numpy()
-            depth_max = max(depth_max, int(d.max()) if len(d) else 1)
+            v = step.tree.valid[0].numpy()
+            # Every node is a trial: its target verdict given its own path (full tree, from the peek).
             samples.setdefault(step.temperature, []).append(
-                (d, step.tree.draft_probs[0][v].double().numpy(), step.target_local[0][v].double().numpy()))
+                (scheme.node_groups(step.tree, step.context)[0][v], step.tree.draft_probs[0].double().numpy()[v],
+                 step.target_local[0].double().numpy()[v]))
     if not samples:
         raise ValueError("no recorded steps to fit a calibrator on")
     merged = {t: tuple(np.concatenate(x) for x in zip(*parts)) for t, parts in samples.items()}
-    cal = Calibrator.fit(merged, depth_max, prior_weight=args.prior_weight,
-                         source="moespec replay " + " ".join(argv))
+    cal = scheme.fit(merged, source="moespec replay " + " ".join(argv))
     cal.save(args.out)
-    print(f"calibrator over {sum(len(m[0]) for m in merged.values())} nodes, depths 1..{depth_max}, "
+    print(f"calibrator over {sum(len(m[0]) for m in merged.values())} nodes, {cal.num_groups} groups, "
           f"temperatures {sorted(merged)} -> {args.out}")
     return 0
 
