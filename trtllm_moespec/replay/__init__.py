@@ -80,6 +80,9 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "moespec replay") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
+    import torch
+
+    torch.set_num_threads(getattr(args, "threads", 1))  # tiny tensors: more threads only stall on a shared CPU
     try:
         return {"record": _record, "score": _score, "rank": _rank, "fit-calibrator": _fit}[args.action](args, argv)
     except (ValueError, FileNotFoundError) as e:

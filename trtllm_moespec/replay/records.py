@@ -69,15 +69,15 @@ class ReplayFile:
         a = self.arrays
         lo, hi = int(a["cu_nodes"][s]), int(a["cu_nodes"][s + 1])
         t = lambda name: torch.from_numpy(np.ascontiguousarray(a[name][lo:hi]))[None]  # noqa: E731
-        tree = DraftTree.from_parents(t("token_ids"), t("parents"), t("draft_probs").float().clamp(max=1.0),
-                                      t("valid").bool())
+        tree = _tree(a["token_ids"][lo:hi], a["parents"][lo:hi], a["draft_probs"][lo:hi], a["valid"][lo:hi])
         L, E = self.meta["num_layers"], self.meta["num_experts"]
         r = int(a["request"][s])
         c0 = int(a["cu_context"][r])
         sl, sh = int(a["cu_selected"][s]), int(a["cu_selected"][s + 1])
-        hidden = t("node_hidden").float() if "node_hidden" in a and len(a["node_hidden"]) else None
+        hidden = (torch.from_numpy(a["node_hidden"][lo:hi].astype(np.float32))[None]
+                  if "node_hidden" in a and len(a["node_hidden"]) else None)
         return StepRecord(
-            tree=tree, target_local=t("target_local").float(), values=t("values").float(),
+            tree=tree, target_local=t("target_local"), values=t("values"),
             experts=ExpertSets(t("pred_experts"), L, E),
             root_experts=torch.from_numpy(a["root_pred_experts"][s:s + 1].copy()), true_experts=t("true_experts"),
             root_true_experts=torch.from_numpy(a["root_true_experts"][s:s + 1].copy()), node_hidden=hidden,
@@ -110,6 +110,23 @@ class ReplayFile:
         if missing:
             raise ValueError(f"replay file {path} lacks the arrays {sorted(missing)}")
         return ReplayFile(arrays, json.loads(header["meta"]))
+
+
+def _tree(tokens: np.ndarray, parents: np.ndarray, q: np.ndarray, valid: np.ndarray) -> DraftTree:
+    """DraftTree.from_parents for one recorded tree, in numpy (replay reads thousands of trees)."""
+    valid = valid.astype(bool)
+    if (valid & (parents >= np.arange(len(parents)))).any() or ((q[valid] < 0) | (q[valid] > 1 + 1e-5)).any():
+        raise ValueError("replay file holds a malformed tree (parents must point backwards, q in [0, 1])")
+    depth = np.zeros(len(parents), dtype=np.int64)
+    log_s = np.full(len(parents), -np.inf, dtype=np.float32)
+    log_q = np.log(np.clip(q, 0.0, 1.0).astype(np.float32))
+    for i, p in enumerate(parents.tolist()):  # topological order
+        if valid[i]:
+            depth[i] = 1 + (depth[p] if p >= 0 else 0)
+            log_s[i] = log_q[i] + (log_s[p] if p >= 0 else 0.0)
+    as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731
+    return DraftTree(as_t(tokens.astype(np.int64)), as_t(np.where(valid, parents, -1)), as_t(depth),
+                     as_t(np.clip(q, 0.0, 1.0).astype(np.float32)), as_t(log_s), as_t(valid))
 
 
 class RecordBuilder:
