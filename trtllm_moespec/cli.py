@@ -107,6 +107,7 @@ def _add_optional_commands(sub) -> None:
     for name, module, help_text in (
         ("profile", "trtllm_moespec.profiling", "measure C(k) and fit the expert cost model on this device"),
         ("bench", "trtllm_moespec.bench", "benchmark every method side by side (also: python -m benchmarks.run)"),
+        ("replay", "trtllm_moespec.replay", "record decoding steps with the target's verdicts; score policies offline"),
         ("build", "trtllm_moespec.backends.trtllm.build", "write a TensorRT-LLM engine directory"),
         ("triton-repo", "trtllm_moespec.runtime.triton_repo", "write a Triton Inference Server model repository"),
     ):

@@ -18,7 +18,8 @@ from .engine.config import TreeConfig
 log = logging.getLogger(__name__)
 TINY = "moespec-tiny"
 PROFILE_NAME = "cost_profile.json"
-CALIBRATOR_NAME = "value_calibrator.json"
+CALIBRATOR_NAME = "value_calibrator.json"  # beside a local model's config.json: its value calibrator prior
+ACCEPTANCE_HEAD_NAME = "acceptance_head"  # beside a local model's config.json: its learned acceptance head
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
                                     f"only; use '{TINY}' for the embedded default)")
         draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
-        calib = target / CALIBRATOR_NAME
-        values_dir = {"calibrator": calib if calib.is_file() else None, "acceptance_head": None}
+        calib, head_dir = target / CALIBRATOR_NAME, target / ACCEPTANCE_HEAD_NAME
+        values_dir = {"calibrator": calib if calib.is_file() else None,
+                      "acceptance_head": head_dir if head_dir.is_dir() else None}
     if draft_model is not None:
         draft = _existing_dir(draft_model, "draft model")
     if predictor is not None and predictor != "oracle":
