@@ -25,7 +25,9 @@ from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
-from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, resolve_model
+from .models.checkpoint import parse_dtype
+from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafter, device_name, load_cost_profile,
+                      load_predictor, parse_device, resolve_model, set_cpu_threads)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -45,20 +47,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            # torch.Generator.manual_seed takes 64 bits; a larger seed used to fail only after the model loaded
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
             object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop and any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        self.config()  # validates temperature / top_k / top_p
+        if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        for name in ("temperature", "top_p"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        self.config()  # validates the ranges of temperature / top_k / top_p
 
     def config(self) -> SamplingConfig:
         return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+
+
+def _is_int(x) -> bool:
+    """An int that is not a bool (True would silently mean 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class LLM:
         policy_options: dict | None = None,
         ddd_threshold: float | None = None,
         override_profile: bool = False,
+        threads: int | None = 1,
     ):
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
@@ -104,23 +118,29 @@ class LLM:
             raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {drafter!r}")
         if not isinstance(tree, TreeConfig):
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
-        self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        if not isinstance(model, (str, Path)):
+            raise ValueError(f"model must be a directory path or '{TINY}', got {type(model).__name__}")
+        self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
+        parse_dtype(dtype)
+        set_cpu_threads(threads, self.device)
+        # Cheap checks first, the model before anything derived from it: a bad checkpoint directory, a
+        # missing profile or drafter, or a tree the drafter cannot draft fails before any weights load.
+        self.paths: ModelPaths = resolve_model(str(model), draft_model, predictor)
+        check_target_dir(self.paths.target)
         if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
             # Ours reads routing off the drafter's hidden state: no extra forward per step.
             self.paths = replace(self.paths, predictor=self.paths.predictor_head)
-        self.policy_name, self.tree, self.device, self.dtype = policy, tree, torch.device(device), dtype
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available")
-        # Cheap checks first: a missing profile or drafter fails before any weights load.
         needs = POLICIES.get(policy, POLICIES["eagle3"])
-        profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
-                                    override_profile)
+        if needs.drafts and drafter == "eagle3" and self.paths.draft is not None:
+            check_tree_fits_drafter(tree, self.paths.draft)
         if needs.drafts and drafter == "eagle3" and self.paths.draft is None:
             raise ValueError(f"policy {policy!r} drafts with EAGLE-3 but no draft model was given: pass "
                              "draft_model=DIR (SpecForge format) or drafter='ngram'")
         if needs.needs_experts and self.paths.predictor is None and predictor != "oracle":
             raise ValueError(f"policy {policy!r} needs an expert predictor: pass predictor=DIR, or predictor='oracle' "
                              "(analysis only: a target forward per step)")
+        profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
+                                    override_profile)
 
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
@@ -128,17 +148,19 @@ class LLM:
         self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
         self.tokenizer = _load_tokenizer(self.paths.target)
         self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
-        source = None
+        source, eagle3 = None, None
         if needs.drafts and drafter == "eagle3":
             from .models.eagle3 import load_eagle3
 
-            source = Eagle3Source(load_eagle3(self.paths.draft, target=self.target), tree.steps, tree.topk,
+            eagle3 = load_eagle3(self.paths.draft, target=self.target)
+            source = Eagle3Source(eagle3, tree.steps, tree.topk,
                                   ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None))
         elif needs.drafts:
             from .models.ngram import NgramConfig, NgramDrafter
 
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
-        predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
+        predictor_obj = (load_predictor(predictor, self.paths, self.target, eagle3)
+                         if self.policy.needs_experts else None)
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device))
 
     # ------------------------------------------------------------------ generation
@@ -173,12 +195,14 @@ class LLM:
         request = self.make_request(ids, params)
         sent_text = ""
         for new in self.engine.run(request):
-            text = self._decode(request.output_ids)
-            delta, sent_text = text[len(sent_text):], text
+            text = _settled_text(self._decode(request.output_ids), params.stop)
+            delta, sent_text = text[len(sent_text):], max(text, sent_text, key=len)
             yield StreamEvent(list(new), delta)
-        out = RequestOutput(list(ids), list(request.output_ids), self._decode(request.output_ids),
-                            request.finish_reason or "length", request.stats(), tuple(request.steps))
-        yield StreamEvent([], "", out)
+        final = self._decode(request.output_ids)
+        out = RequestOutput(list(ids), list(request.output_ids), final, request.finish_reason or "length",
+                            request.stats(), tuple(request.steps))
+        # what was held back (an incomplete character at a length cut, a stop-string prefix that never completed)
+        yield StreamEvent([], final[len(sent_text):], out)
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
@@ -218,6 +242,9 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
                 p = self.tokenizer.encode(p, add_special_tokens=False)
+            elif not isinstance(p, (list, tuple)) or not all(_is_int(t) for t in p):
+                # int(1.7) == 1 would silently change the prompt
+                raise ValueError(f"a prompt must be a string or a list of int token ids, got {_describe(p)}")
             p = [int(t) for t in p]
             if not p:
                 raise ValueError("empty prompt: give at least one token")
@@ -232,6 +259,29 @@ class LLM:
 
 def _is_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _describe(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _settled_text(text: str, stop: tuple[str, ...] | None) -> str:
+    """The part of the decoded output that can be streamed now and will not change.
+
+    Held back: trailing U+FFFD (a multi-byte character whose remaining bytes are in the next token;
+    the final text has the character) and a tail that could still grow into a stop string (the
+    final text excludes the stop string, so streaming its first half would print text that is not
+    in the output).
+    """
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stop or ():
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return text[:len(text) - hold]
 
 
 def _load_tokenizer(path: Path):
