@@ -86,7 +86,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One streamed chunk; `output` is set on the last event only."""
+    """One streamed chunk; `output` is set on the last event only, which may carry text too (an incomplete
+    UTF-8 character is held back until its bytes arrive). Joined, the events' texts equal the output's text."""
 
     token_ids: list[int]
     text: str
@@ -186,6 +187,11 @@ class LLM:
         """Apply the tokenizer's chat template, then generate."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.paths.target} has no chat template; use generate() with plain prompts")
+        if (not isinstance(messages, (list, tuple)) or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in messages)):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, got "
+                             f"{_describe(messages)}")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return self.generate([list(ids)], sampling_params)[0]
@@ -195,13 +201,13 @@ class LLM:
         request = self.make_request(ids, params)
         sent_text = ""
         for new in self.engine.run(request):
-            text = _settled_text(self._decode(request.output_ids), params.stop)
+            text = _settled_text(self._decode(request.output_ids))
             delta, sent_text = text[len(sent_text):], max(text, sent_text, key=len)
             yield StreamEvent(list(new), delta)
         final = self._decode(request.output_ids)
         out = RequestOutput(list(ids), list(request.output_ids), final, request.finish_reason or "length",
                             request.stats(), tuple(request.steps))
-        # what was held back (an incomplete character at a length cut, a stop-string prefix that never completed)
+        # what was held back: a replacement character that never completed (output cut mid-character)
         yield StreamEvent([], final[len(sent_text):], out)
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
@@ -266,22 +272,11 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _settled_text(text: str, stop: tuple[str, ...] | None) -> str:
-    """The part of the decoded output that can be streamed now and will not change.
-
-    Held back: trailing U+FFFD (a multi-byte character whose remaining bytes are in the next token;
-    the final text has the character) and a tail that could still grow into a stop string (the
-    final text excludes the stop string, so streaming its first half would print text that is not
-    in the output).
-    """
-    text = text.rstrip("\ufffd")
-    hold = 0
-    for s in stop or ():
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return text[:len(text) - hold]
+def _settled_text(text: str) -> str:
+    """The part of the decoded output that can be streamed now: without trailing U+FFFD, which marks a
+    multi-byte character whose remaining bytes come with the next token (the final text has the character;
+    streaming the replacement character would print text that is not in the output)."""
+    return text.rstrip("\ufffd")
 
 
 def _load_tokenizer(path: Path):
