@@ -24,11 +24,9 @@ from pathlib import Path
 import pytest
 
 from tests.bad_input_cases import CASES, markdown
-from tests.engine.conftest import make_checkpoint
-from tests.models.conftest import build_hf, qwen3_moe_config
+from tests.engine.conftest import make_checkpoint, make_tokenized_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TARGET = REPO / "trtllm_moespec" / "assets" / "moespec-tiny" / "target"
 
 
 def moespec_command() -> list[str]:
@@ -69,11 +67,7 @@ def files(tmp_path_factory):
     (hidden / "config.json").write_text(json.dumps(dict(config, hidden_size=96)))
     f["hidden"] = hidden
 
-    # moespec-tiny's tokenizer on a random 4096-token model with a 512-token context: text prompts load fast
-    tok = root / "tok"
-    build_hf(qwen3_moe_config(vocab_size=4096, max_position_embeddings=512)).save_pretrained(str(tok))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TINY_TARGET / name, tok / name)
+    tok = make_tokenized_checkpoint(root)  # moespec-tiny's tokenizer, random weights, 512-token context
     f["tok"] = tok
 
     (root / "empty").mkdir()

@@ -199,16 +199,13 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         request = self.make_request(ids, params)
-        sent_text = ""
+        text = TextStream(self._decode)
         for new in self.engine.run(request):
-            text = _settled_text(self._decode(request.output_ids))
-            delta, sent_text = text[len(sent_text):], max(text, sent_text, key=len)
-            yield StreamEvent(list(new), delta)
+            yield StreamEvent(list(new), text.delta(request.output_ids))
         final = self._decode(request.output_ids)
         out = RequestOutput(list(ids), list(request.output_ids), final, request.finish_reason or "length",
                             request.stats(), tuple(request.steps))
-        # what was held back: a replacement character that never completed (output cut mid-character)
-        yield StreamEvent([], final[len(sent_text):], out)
+        yield StreamEvent([], text.rest(final), out)
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
@@ -272,11 +269,27 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
-def _settled_text(text: str) -> str:
-    """The part of the decoded output that can be streamed now: without trailing U+FFFD, which marks a
-    multi-byte character whose remaining bytes come with the next token (the final text has the character;
-    streaming the replacement character would print text that is not in the output)."""
-    return text.rstrip("\ufffd")
+class TextStream:
+    """Incremental detokenization for streaming: each call returns the text not sent yet.
+
+    Trailing U+FFFD is held back: it marks a multi-byte character whose remaining bytes come with the
+    next token (byte-level BPE splits e.g. an emoji into four tokens); streaming it would print a
+    character the final text does not have. `rest` flushes what is still held (an output cut in the
+    middle of a character keeps its U+FFFD, as the final text does), so the chunks join to the final text.
+    """
+
+    def __init__(self, decode):
+        self.decode, self.sent = decode, ""
+
+    def delta(self, output_ids: Sequence[int]) -> str:
+        text = self.decode(output_ids).rstrip("\ufffd")
+        if len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def rest(self, final_text: str) -> str:
+        return final_text[len(self.sent):]
 
 
 def _load_tokenizer(path: Path):
