@@ -21,13 +21,14 @@ from tqdm.auto import tqdm
 
 from .core.cost import CostTable
 from .core.policies import POLICIES, SelectionPolicy, make_policy
+from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
 from .models.checkpoint import parse_dtype
 from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafter, device_name, load_cost_profile,
-                      load_predictor, parse_device, resolve_model, set_cpu_threads)
+                      load_predictor, load_value_model, parse_device, resolve_model, set_cpu_threads)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -111,6 +112,7 @@ class LLM:
         policy_options: dict | None = None,
         ddd_threshold: float | None = None,
         override_profile: bool = False,
+        values: str = "calibrated",
         threads: int | None = 1,
     ):
         if policy not in METHODS:
@@ -119,6 +121,8 @@ class LLM:
             raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {drafter!r}")
         if not isinstance(tree, TreeConfig):
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        if values not in VALUE_KINDS:
+            raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
         if not isinstance(model, (str, Path)):
             raise ValueError(f"model must be a directory path or '{TINY}', got {type(model).__name__}")
         self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
@@ -128,6 +132,10 @@ class LLM:
         # missing profile or drafter, or a tree the drafter cannot draft fails before any weights load.
         self.paths: ModelPaths = resolve_model(str(model), draft_model, predictor)
         check_target_dir(self.paths.target)
+        if values == "head" and self.paths.acceptance_head is None:
+            raise ValueError(f"values='head' needs a learned acceptance head; {self.paths.model_id} ships none "
+                             "(use values='calibrated')")
+        self.values_name = values
         if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
             # Ours reads routing off the drafter's hidden state: no extra forward per step.
             self.paths = replace(self.paths, predictor=self.paths.predictor_head)
@@ -162,7 +170,9 @@ class LLM:
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
         predictor_obj = (load_predictor(predictor, self.paths, self.target, eagle3)
                          if self.policy.needs_experts else None)
-        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device))
+        value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
+        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
+                                 value_model)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False

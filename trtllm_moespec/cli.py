@@ -91,6 +91,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default=None,
                    help="expert predictor directory for ecospec/joint (default: the model's own), or 'oracle' "
                         "(analysis only)")
+    p.add_argument("--values", default="calibrated", choices=["raw", "calibrated", "head"],
+                   help="node values of the cost-aware policies: calibrated acceptance probability, the "
+                        "learned acceptance head, or raw draft path scores (ablation)")
     p.add_argument("--threads", type=_bounded_int(1), default=1,
                    help="torch intra-op threads on CPU (small models gain nothing from more, and a shared CPU "
                         "makes OpenMP barriers stall)")
@@ -104,7 +107,8 @@ def _llm_from_args(args):
     hf_logging.disable_progress_bar()  # the CLI streams text; weight-loading bars would interleave with it
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=args.tree,
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
-               drafter=args.drafter, override_profile=args.override_profile, threads=args.threads)
+               drafter=args.drafter, override_profile=args.override_profile, values=args.values,
+               threads=args.threads)
 
 
 def read_prompt_file(path: str) -> str:

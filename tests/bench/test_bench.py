@@ -163,3 +163,14 @@ def test_output_paths_are_checked_before_the_run(model, tmp_path, capsys):
         assert bench_main(model + [flag, str(value)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and err.count("\n") == 0, err
+
+
+def test_values_sweep_adds_one_column_per_cost_aware_method():
+    from trtllm_moespec.bench import build_parser, resolve_methods
+
+    args = build_parser().parse_args(["--methods", "eagle3,evict,joint", "--values", "calibrated",
+                                      "--values-sweep", "raw,calibrated"])
+    specs = {s.label: s for s in resolve_methods(args)}
+    assert list(specs) == ["ar", "eagle3", "evict", "joint", "evict[values=raw]", "joint[values=raw]"]
+    assert specs["evict"].values == "calibrated" and specs["joint[values=raw]"].values == "raw"
+    assert cli_main(["bench", "--values", "bogus", "--num-prompts", "1"]) == 2
