@@ -74,6 +74,8 @@ CASES: tuple[Case, ...] = (
     Case("stop-not-string", "API", "`SamplingParams(stop=[1])`", "error at construction (was: TypeError mid-generation)"),
     Case("prompt-float-ids", "API", "prompt token ids `[1.7, 2]`", "error (was: silently truncated to `[1, 2]`)"),
     Case("model-not-a-path", "API", "`LLM(model=123)`", "error (was: TypeError traceback)"),
+    Case("argument-types", "API", "`LLM(draft_model=123)`, `cost_profile=1.5`, `predictor=['x']`, "
+         "`ddd_threshold='x'`, `policy_options=[...]`", "error naming the argument (was: TypeError tracebacks)"),
     Case("threads-out-of-range", "CLI", "`--threads 0`, `threads=10**6` in the API", "error naming the range"),
     Case("config-not-object", "CLI", "a config.json holding a JSON list, or not UTF-8",
          "error naming config.json (was: AttributeError / UnicodeDecodeError)"),

@@ -123,8 +123,8 @@ class LLM:
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
         if values not in VALUE_KINDS:
             raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
-        if not isinstance(model, (str, Path)):
-            raise ValueError(f"model must be a directory path or '{TINY}', got {type(model).__name__}")
+        _check_argument_types(model=model, draft_model=draft_model, cost_profile=cost_profile, predictor=predictor,
+                              ddd_threshold=ddd_threshold, policy_options=policy_options)
         self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
         parse_dtype(dtype)
         set_cpu_threads(threads, self.device)
@@ -268,6 +268,21 @@ class LLM:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _check_argument_types(*, model, draft_model, cost_profile, predictor, ddd_threshold, policy_options) -> None:
+    """A wrong type fails here with the argument's name, not as a TypeError deep inside pathlib or a policy."""
+    paths = {"model": model, "draft_model": draft_model, "cost_profile": cost_profile, "predictor": predictor}
+    for name, value in paths.items():
+        allowed = (str, Path, CostTable) if name == "cost_profile" else (str, Path)
+        if not isinstance(value, allowed) and not (value is None and name != "model"):
+            kinds = "a path" + (", 'roofline:<device>' or a CostTable" if name == "cost_profile" else "")
+            kinds += f" or '{TINY}'" if name == "model" else " or None"
+            raise ValueError(f"{name} must be {kinds}, got {_describe(value)}")
+    if ddd_threshold is not None and (not isinstance(ddd_threshold, (int, float)) or isinstance(ddd_threshold, bool)):
+        raise ValueError(f"ddd_threshold must be a number or None, got {_describe(ddd_threshold)}")
+    if policy_options is not None and not isinstance(policy_options, dict):
+        raise ValueError(f"policy_options must be a dict or None, got {_describe(policy_options)}")
 
 
 def _is_ids(x) -> bool:

@@ -113,8 +113,8 @@ def test_stream_holds_back_incomplete_characters(tiny_ar):
 
 
 def test_chat_on_moespec_tiny(tiny_ar):
-    """(case chat-tiny) moespec-tiny has a chat template (messages as Python comments); (case
-    chat-bad-messages) malformed messages are one clear error."""
+    """(case chat-tiny) moespec-tiny has a chat template (messages as Python comments);
+    (case chat-bad-messages) malformed messages are one clear error."""
     out = tiny_ar.chat([{"role": "user", "content": "write fib"}], SamplingParams(max_tokens=3))
     assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
     assert len(out.token_ids) == 3
@@ -169,7 +169,11 @@ def test_sampling_params_and_prompts_name_the_bad_field(checkpoints):
     llm = LLM(str(target), policy="ar")
     with pytest.raises(ValueError, match="list of int token ids"):
         llm.generate([[1.7, 2]])
-    with pytest.raises(ValueError, match="model must be a directory path"):
+    with pytest.raises(ValueError, match="model must be a path or 'moespec-tiny', got int 123"):
         LLM(model=123)
+    for name, value in (("draft_model", 123), ("cost_profile", 1.5), ("predictor", ["x"]), ("ddd_threshold", "x"),
+                        ("policy_options", [("budget", 4)])):  # (case argument-types)
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            LLM(str(target), policy="ddd", **{name: value})
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         LLM(str(target), policy="ar", device="tpu")
