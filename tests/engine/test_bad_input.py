@@ -12,7 +12,6 @@ import torch
 import transformers
 
 from trtllm_moespec import LLM, SamplingParams
-from trtllm_moespec.api import TextStream
 from trtllm_moespec.models.eagle3 import write_random_drafter
 from tests.models.conftest import qwen3_moe_config
 
@@ -95,6 +94,8 @@ def tiny_ar():
 def test_stream_holds_back_incomplete_characters(tiny_ar):
     """(case stream-utf8) Byte-level BPE splits an emoji into four tokens; streaming token by token must
     not print U+FFFD for the partial bytes, and the chunks must join to the final text."""
+    from trtllm_moespec.api import TextStream
+
     tok = tiny_ar.tokenizer
     text = "x = '🙂 é → 日本' # done"
     ids = tok.encode(text, add_special_tokens=False)
