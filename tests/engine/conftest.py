@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from tests.models.conftest import build_hf, gpt_oss_config, qwen3_moe_config
@@ -29,3 +32,16 @@ def make_checkpoint(root, name: str):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
     return {name: make_checkpoint(root, name) for name in ("qwen3_moe", "gpt_oss")}
+
+
+TINY_TARGET = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny" / "target"
+
+
+def make_tokenized_checkpoint(root) -> Path:
+    """A random Qwen3-MoE with moespec-tiny's tokenizer (vocab 4096) and a 512-token context: text prompts,
+    fast loading. No drafter (use policy 'ar' or drafter 'ngram')."""
+    path = Path(root) / "tokenized"
+    build_hf(qwen3_moe_config(vocab_size=4096, max_position_embeddings=512)).save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_TARGET / name, path / name)
+    return path
