@@ -173,15 +173,20 @@ async def _generate(server: Server, http: HttpRequest, chat: bool):
 
 
 async def _wait_all(choices: list[_Choice], events: asyncio.Queue, http: HttpRequest) -> None:
-    """Collect events until every choice finished; return early if the client disconnects."""
+    """Collect events until every choice finished; return early if the client disconnects
+    (checked every DISCONNECT_POLL_S, also while events keep arriving)."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
     while any(c.finish_reason is None for c in choices):
         try:
-            index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            index, event = await asyncio.wait_for(events.get(), max(next_check - loop.time(), 0.0))
+            _apply(choices[index], event)
         except asyncio.TimeoutError:
+            pass
+        if loop.time() >= next_check:
             if await http.is_disconnected():
                 return
-            continue
-        _apply(choices[index], event)
+            next_check = loop.time() + DISCONNECT_POLL_S
 
 
 def _apply(choice: _Choice, event: TokenEvent | FinishEvent) -> None:

@@ -158,6 +158,7 @@ class Scheduler:
         for ticket in [t for t in self._waiting if t.cancelled]:
             self._waiting.remove(ticket)
             ticket.state = "done"
+            self.metrics.record_cancel()
         for ticket in [t for t in self._running.values() if t.cancelled]:
             self.engine.abort(ticket.request)
             del self._running[id(ticket.request)]
