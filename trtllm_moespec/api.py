@@ -194,16 +194,22 @@ class LLM:
             raise ValueError("stream() takes one prompt")
         yield from self._events(batch[0], sampling_params or SamplingParams())
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Apply the tokenizer's chat template, then generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.paths.target} has no chat template; use generate() with plain prompts")
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None) -> RequestOutput:
+        """Apply the chat template (`chat_template`, a Jinja string, else the tokenizer's), then generate."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.paths.target} has no tokenizer; pass token ids to generate()")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"model {self.paths.target} has no chat template (moespec-tiny is not chat-tuned): "
+                             "pass chat_template=..., or use generate() with plain prompts")
         if (not isinstance(messages, (list, tuple)) or not messages
                 or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                            for m in messages)):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, got "
                              f"{_describe(messages)}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                 tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return self.generate([list(ids)], sampling_params)[0]
 
