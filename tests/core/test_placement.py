@@ -10,12 +10,7 @@ from hypothesis import given, settings
 
 from trtllm_moespec.core import DraftTree, ExpertCostModel, ExpertSets, make_policy
 from trtllm_moespec.core.experts import words_to_bools
-from trtllm_moespec.core.placement import (
-    ExpertPlacement,
-    busiest_rank_unique,
-    unique_per_rank,
-    unique_per_rank_per_layer,
-)
+from trtllm_moespec.core.placement import ExpertPlacement, unique_per_rank_per_layer
 
 from .strategies import random_eagle_tree, random_experts, seeds
 
@@ -29,19 +24,22 @@ def _rank_of(placement: ExpertPlacement, pair: int) -> int:
 
 
 def _busiest(placement: ExpertPlacement, pairs: set[int]) -> int:
-    counts = [0] * placement.num_ranks
+    """U_max: per MoE layer the busiest rank's count, summed over layers."""
+    counts = np.zeros((placement.num_layers, placement.num_ranks), dtype=int)
     for p in pairs:
-        counts[_rank_of(placement, p)] += 1
-    return max(counts)
+        counts[p // placement.num_experts, _rank_of(placement, p)] += 1
+    return int(counts.max(1).sum())
 
 
 def test_contiguous_blocks_like_tensorrt_llm():
     p = ExpertPlacement.contiguous(num_layers=3, num_experts=8, num_ranks=4)
     assert p.owner == ((0, 0, 1, 1, 2, 2, 3, 3),) * 3
     assert p.local_experts(2, layer=1) == (4, 5)
-    masks = words_to_bools(p.rank_masks())[:, : 3 * 8]  # [N, L*E]
-    assert masks.sum(0).eq(1).all()  # every pair on exactly one rank
-    assert masks[1].nonzero().flatten().tolist() == [2, 3, 10, 11, 18, 19]
+    ids = torch.tensor([[[0, 1, 2], [3, 4, 5], [6, 7, 0]]])  # [T=1, L=3, topk=3]
+    words = ExpertSets.from_topk_ids(ids[None], 8).bits[0, 0]
+    # layer 0 {0,1,2}: ranks 0,0,1 -> [2,1,0,0]; layer 1 {3,4,5}: [0,1,2,0]; layer 2 {6,7,0}: [1,0,0,2]
+    assert p.layer_rank_counts(words).tolist() == [[2, 1, 0, 0], [0, 1, 2, 0], [1, 0, 0, 2]]
+    assert int(p.busiest_unique(words)) == 6  # every layer's busiest rank computes 2 experts
 
 
 @pytest.mark.parametrize("experts,ranks", [(8, 3), (32, 5), (6, 0)])
@@ -59,18 +57,21 @@ def test_bad_owner_maps_are_rejected():
 
 @settings(max_examples=30, deadline=None)
 @given(seeds)
-def test_unique_per_rank_matches_python_sets(seed):
+def test_layer_rank_counts_match_python_sets(seed):
     rng = np.random.default_rng(seed)
     L, E, N = int(rng.integers(1, 5)), 16, int(rng.choice([1, 2, 4, 8]))
     owner = tuple(tuple(int(r) for r in rng.integers(0, N, size=E)) for _ in range(L))  # any placement, not only blocks
     placement = ExpertPlacement(owner, N)
     ids = torch.from_numpy(rng.integers(-1, E, size=(5, L, 3)))
     words = ExpertSets.from_topk_ids(ids[None], E).bits[0]  # [5, W]
-    per_rank = unique_per_rank(words, placement.rank_masks())
+    counts = placement.layer_rank_counts(words)  # [5, L, N]
     for i in range(5):
         pairs = _pairs(words[i])
-        assert per_rank[i].tolist() == [sum(_rank_of(placement, p) == r for p in pairs) for r in range(N)]
-        assert int(busiest_rank_unique(words[i], placement.rank_masks())) == _busiest(placement, pairs)
+        assert counts[i].tolist() == [[sum(p // E == l and _rank_of(placement, p) == r for p in pairs)
+                                       for r in range(N)] for l in range(L)]
+        assert int(placement.busiest_unique(words[i])) == _busiest(placement, pairs)
+    if N == 1:
+        assert placement.busiest_unique(words).tolist() == [len(_pairs(w)) for w in words]
 
 
 def test_unique_per_rank_per_layer_from_router_ids():

@@ -1,14 +1,15 @@
 """Expert placement under expert parallelism (EP), and the cost it implies.
 
-With EP over N ranks every MoE layer's experts are split across the ranks and a
-verify forward waits for the slowest rank: the rank whose share of the activated
-(layer, expert) pairs is largest. So the expert term of a step's cost follows the
-busiest rank's union
+With EP over N ranks every MoE layer's experts are split across the ranks, and each
+MoE layer ends in a collective that combines the ranks' partial outputs, so every
+layer waits for its slowest rank: the rank computing the most distinct experts of
+that layer. The expert term of a step's cost therefore follows
 
-    U_max = max_r |U ∩ R_r|,   R_r = the (layer, expert) pairs rank r holds,
+    U_max = sum over MoE layers l of max_r |U_l ∩ R_r|
 
-not the global union |U|. Two trees with the same 20 unique experts cost differently
-if one puts 12 of them on one rank.
+(U_l = the activated experts of layer l, R_r = the experts rank r holds), not the
+global union |U| = sum_l |U_l|. Two trees with the same 20 unique experts cost
+differently if one puts 12 of them on one rank. With N = 1, U_max = |U|.
 
 `ExpertPlacement` says which rank holds each (layer, expert). The default is
 contiguous blocks, rank r holding experts [r*E/N, (r+1)*E/N) of every layer, as
@@ -17,8 +18,7 @@ TensorRT-LLM's fused MoE does without a load balancer (`initial_global_assignmen
 expert_size_per_partition`: tensorrt_llm/_torch/modules/fused_moe/fused_moe_trtllm_gen.py
 at NVIDIA/TensorRT-LLM 7b437aaa73bf5a44b1102aee5c631074da763b8f).
 
-Rank masks are bitsets over (layer, expert) in the layout of `experts.py`, so the
-busiest rank's union of any bitset is N popcounts of an AND.
+Expert sets are the (layer, expert) bitsets of `experts.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from .experts import WORD_BITS, bools_to_words, num_words
 
 
 @dataclass(frozen=True)
@@ -72,18 +71,30 @@ class ExpertPlacement:
         """Expert ids of MoE layer `layer` that `rank` holds, ascending."""
         return tuple(e for e, r in enumerate(self.owner[layer]) if r == rank)
 
-    def rank_masks(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, W] int64 bitsets: bit (layer * E + expert) of row r is set when rank r holds it."""
-        return self._masks_cpu.to(device)
+    def layer_rank_counts(self, words: torch.Tensor) -> torch.Tensor:
+        """[..., L, N] int64 distinct experts of each MoE layer on each rank, for bitsets [..., W]."""
+        arr = words.detach().cpu().contiguous().numpy().view(np.uint64)
+        return torch.from_numpy(self.layer_rank_counts_np(arr)).to(words.device)
+
+    def busiest_unique(self, words: torch.Tensor) -> torch.Tensor:
+        """[...] int64 U_max = sum_l max_r |U_l ∩ R_r| for bitsets [..., W]: the expert term under EP."""
+        return self.layer_rank_counts(words).max(-1).values.sum(-1)
+
+    def layer_rank_counts_np(self, words: np.ndarray) -> np.ndarray:
+        """numpy form of `layer_rank_counts` on uint64 words [..., W]."""
+        L, E = self.num_layers, self.num_experts
+        bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=-1, bitorder="little")
+        bits = bits[..., : L * E].reshape(*words.shape[:-1], L, E)
+        return np.einsum("...le,len->...ln", bits.astype(np.int64), self._owner_onehot)
+
+    def busiest_np(self, words: np.ndarray) -> np.ndarray:
+        """numpy form of `busiest_unique` on uint64 words [..., W]."""
+        return self.layer_rank_counts_np(words).max(-1).sum(-1)
 
     @cached_property
-    def _masks_cpu(self) -> torch.Tensor:  # built once per placement: selection asks every step
-        owner = torch.tensor(self.owner, dtype=torch.int64)  # [L, E]
-        W = num_words(self.num_layers, self.num_experts)
-        flat = owner.reshape(-1)
-        bits = torch.zeros(self.num_ranks, W * WORD_BITS, dtype=torch.bool)
-        bits[flat, torch.arange(flat.numel())] = True
-        return bools_to_words(bits)
+    def _owner_onehot(self) -> np.ndarray:  # [L, E, N] int64, built once: selection asks every step
+        owner = np.asarray(self.owner, dtype=np.int64)
+        return (owner[..., None] == np.arange(self.num_ranks)).astype(np.int64)
 
 
 def check_divides(num_experts: int, num_ranks: int) -> None:
@@ -92,24 +103,6 @@ def check_divides(num_experts: int, num_ranks: int) -> None:
         raise ValueError(f"--ep must be a positive integer, got {num_ranks!r}")
     if num_experts % num_ranks:
         raise ValueError(f"--ep {num_ranks} does not divide the model's {num_experts} experts per layer")
-
-
-def unique_per_rank(words: torch.Tensor, rank_masks: torch.Tensor) -> torch.Tensor:
-    """[..., N] int64 |U ∩ R_r| for bitsets `words` [..., W] and rank masks [N, W]."""
-    a = words.detach().cpu().contiguous().numpy().view(np.uint64)
-    m = rank_masks.detach().cpu().contiguous().numpy().view(np.uint64)
-    counts = np.bitwise_count(a[..., None, :] & m).sum(-1, dtype=np.int64)  # [..., N]
-    return torch.from_numpy(np.asarray(counts)).to(words.device)
-
-
-def busiest_rank_unique(words: torch.Tensor, rank_masks: torch.Tensor) -> torch.Tensor:
-    """[...] int64 U_max = max_r |U ∩ R_r|: the expert term of a step's cost under EP."""
-    return unique_per_rank(words, rank_masks).max(-1).values
-
-
-def busiest_np(words: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """numpy form of `busiest_rank_unique` on uint64 words [..., W] and masks [N, W]."""
-    return np.bitwise_count(words[..., None, :] & masks).sum(-1).max(-1)
 
 
 def unique_per_rank_per_layer(expert_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:

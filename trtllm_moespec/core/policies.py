@@ -10,8 +10,8 @@ the verifier's random numbers, so verification stays lossless.
   evict     top nodes by score, k* = argmax (1 + S_k) / C(k) over a profiled table
   ecospec   greedy by score / (new predicted experts + eps) up to `budget`
             (`global_cost=True`: the paper's static ablation)
-            (ecospec and joint take a `placement`: under expert parallelism, "new experts"
-            and U count the busiest rank's union, see placement.py)
+            (ecospec and joint take a `placement`: under expert parallelism "new experts"
+            and U count U_max, each MoE layer's busiest rank, see placement.py)
   joint     ours: greedy by score / (c_tok + c_exp * new experts), stop at the
             utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
   coverage  smallest top prefix with S_k / S_K >= rho
@@ -156,7 +156,7 @@ class EcoSpecPolicy(SelectionPolicy):
     budget: int = 3  # draft nodes; the paper's gamma counts the bonus token too (gamma = budget + 1)
     eps: float = 1e-3
     global_cost: bool = False  # ablation: static |E_path| instead of the marginal cost
-    placement: ExpertPlacement | None = None  # EP: price the busiest rank's union (None = one device)
+    placement: ExpertPlacement | None = None  # EP: price U_max, each layer's busiest rank (None = one device)
     name: ClassVar[str] = "ecospec"
     needs_experts: ClassVar[bool] = True
 
@@ -170,7 +170,7 @@ class EcoSpecPolicy(SelectionPolicy):
         greedy = greedy_expert_select(
             tree.scores, tree.parents, tree.valid, traj, None if self.global_cost else root_experts,
             self.budget, token_cost=self.eps, expert_cost=1.0, marginal=not self.global_cost,
-            rank_masks=_rank_masks(self.placement, experts),
+            placement=_checked_placement(self.placement, experts),
         )
         return _from_prefix(greedy.node_idx, greedy.num_selected, tree.scores, None)
 
@@ -179,7 +179,7 @@ class EcoSpecPolicy(SelectionPolicy):
 class JointPolicy(SelectionPolicy):
     cost_model: ExpertCostModel
     budget: int = 32  # cap on verified nodes
-    placement: ExpertPlacement | None = None  # EP: C(k, U_max) with U_max the busiest rank's union
+    placement: ExpertPlacement | None = None  # EP: C(k, U_max), U_max = sum over layers of the busiest rank's experts
     name: ClassVar[str] = "joint"
     needs_experts: ClassVar[bool] = True
 
@@ -194,7 +194,7 @@ class JointPolicy(SelectionPolicy):
         token_cost = joint_token_cost(m.c_tok, m.c_exp)
         greedy = greedy_expert_select(
             tree.scores, tree.parents, tree.valid, traj, root_experts, self.budget, token_cost, m.c_exp,
-            rank_masks=_rank_masks(self.placement, experts),
+            placement=_checked_placement(self.placement, experts),
         )
         j, _, cost = joint_prefix(greedy, m.c0, m.c_tok, m.c_exp)
         return _from_prefix(greedy.node_idx, j, tree.scores, cost)
@@ -238,13 +238,13 @@ def _trajectories(tree: DraftTree, experts: ExpertSets | None, name: str) -> tor
     return path_bits(experts.bits, tree.parents, tree.depth)
 
 
-def _rank_masks(placement: ExpertPlacement | None, experts: ExpertSets) -> torch.Tensor | None:
+def _checked_placement(placement: ExpertPlacement | None, experts: ExpertSets) -> ExpertPlacement | None:
     if placement is None:
         return None
     if (placement.num_layers, placement.num_experts) != (experts.num_layers, experts.num_experts):
         raise ValueError(f"expert placement covers {placement.num_layers} layers x {placement.num_experts} experts, "
                          f"the predicted sets {experts.num_layers} x {experts.num_experts}")
-    return placement.rank_masks(experts.bits.device)
+    return placement
 
 
 def ddd_should_stop(frontier_scores: torch.Tensor, threshold: float) -> torch.Tensor:
