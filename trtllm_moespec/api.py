@@ -97,7 +97,11 @@ class LLM:
         policy_options: dict | None = None,
         ddd_threshold: float | None = None,
         override_profile: bool = False,
+        ep=None,
+        ep_pricing: bool = True,
     ):
+        """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
+        ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py)."""
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
         if drafter not in ("eagle3", "ngram"):
@@ -126,8 +130,15 @@ class LLM:
         from .models.target import TargetModel
 
         self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
+        placement = None
+        if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
+            self.target = ep.leader_target(self.target)
+            placement = ep.placement
         self.tokenizer = _load_tokenizer(self.paths.target)
-        self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
+        options = dict(policy_options or {})
+        if placement is not None and ep_pricing and policy in ("ecospec", "joint"):
+            options.setdefault("placement", placement)
+        self.policy: SelectionPolicy = _build_policy(policy, tree, profile, options)
         source = None
         if needs.drafts and drafter == "eagle3":
             from .models.eagle3 import load_eagle3
@@ -139,7 +150,8 @@ class LLM:
 
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
         predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
-        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device))
+        self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
+                                 placement=placement)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False

@@ -28,7 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "shared CPU makes OpenMP barriers stall)")
 
 
-def _llm_from_args(args):
+def _llm_from_args(args, ep=None):
     import torch
 
     from .api import LLM
@@ -43,7 +43,8 @@ def _llm_from_args(args):
 
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=TreeConfig.parse(args.tree),
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
-               drafter=args.drafter, override_profile=args.override_profile)
+               drafter=args.drafter, override_profile=args.override_profile, ep=ep,
+               ep_pricing=getattr(args, "ep_pricing", True))
 
 
 def cmd_generate(args) -> int:
@@ -54,7 +55,35 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = _llm_from_args(args)
+    ep = _checked_ep(args)
+    if ep > 1:
+        from .parallel.run import run_expert_parallel
+        from .resolve import resolve_model
+
+        return run_expert_parallel(resolve_model(args.model).target, args.device, args.dtype, args.threads,
+                                   lambda ctx: _generate(args, prompt, params, ctx))
+    return _generate(args, prompt, params, None)
+
+
+def _checked_ep(args) -> int:
+    """EP size of this launch (1 = one process); bad launches raise on rank 0 and exit 2 quietly elsewhere."""
+    from .parallel.dist import launched_rank, launched_world_size
+
+    if args.ep is None and launched_world_size() == 1:
+        return 1
+    from .parallel.run import check_launch
+    from .resolve import resolve_model
+
+    try:
+        return check_launch(args.ep, resolve_model(args.model).target)
+    except (ValueError, FileNotFoundError):
+        if launched_rank() != 0:
+            sys.exit(2)  # rank 0 prints the one line
+        raise
+
+
+def _generate(args, prompt: str, params, ep) -> int:
+    llm = _llm_from_args(args, ep)
     out = None
     if not args.json:
         sys.stdout.write(prompt)
@@ -88,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert parallelism over N ranks: run as `mpirun -n N moespec generate ... --ep N`")
+    g.add_argument("--no-ep-pricing", dest="ep_pricing", action="store_false",
+                   help="with --ep: ecospec / joint price the global expert union instead of the busiest rank's")
     g.set_defaults(func=cmd_generate)
 
     _add_optional_commands(sub)

@@ -1,0 +1,106 @@
+"""What each rank of an expert-parallel job runs.
+
+Rank 0 builds the usual `LLM` (drafter, predictor, policy, tokenizer) with an
+`EPContext`, which shards rank 0's target and wraps it in a `LeaderTarget`; the
+other ranks load the same checkpoint, keep their experts and serve target commands.
+Launch checks run before any MPI or torch.distributed set-up and before any
+weights load, so a bad launch is one line and exit code 2 on rank 0 (the other
+ranks exit 2 silently).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..core.placement import ExpertPlacement, check_divides
+from ..models.arch import arch_spec
+from ..models.checkpoint import read_config_json
+from ..models.target import TargetModel
+from .dist import EPGroup, check_ep_launch, guarded, init_ep, launched_world_size
+from .experts import shard_target_experts
+from .remote import Channel, LeaderTarget, serve_target
+
+
+def num_routed_experts(target_dir) -> int:
+    """Routed experts per MoE layer, read from config.json (no weights loaded)."""
+    config = read_config_json(target_dir, "target checkpoint")
+    arch_spec((config.get("architectures") or ["<missing 'architectures'>"])[0])  # a supported architecture
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts; 4.x and the Hub use num_experts.
+    count = config.get("num_local_experts") or config.get("num_experts")
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{target_dir}/config.json names no routed-expert count (num_experts / num_local_experts)")
+    return count
+
+
+def check_launch(ep: int | None, target_dir) -> int:
+    """EP size for this launch; ValueError for --ep without mpirun, a world size that does not match,
+    or an --ep that does not divide the expert count."""
+    ep = check_ep_launch(ep, launched_world_size())
+    if ep > 1:
+        check_divides(num_routed_experts(target_dir), ep)
+    return ep
+
+
+def shard_target(target: TargetModel, group: EPGroup) -> ExpertPlacement:
+    """Keep this rank's contiguous block of every MoE layer's experts; combine by all-reduce."""
+    import torch.distributed as dist
+
+    placement = ExpertPlacement.contiguous(len(target.moe_layers), target.num_experts, group.world_size)
+    paths = [target.spec.experts_path.format(i=i) for i in target.moe_layers]
+    local = [placement.local_experts(group.rank, layer) for layer in range(placement.num_layers)]
+    shard_target_experts(target.model, paths, local, lambda t: dist.all_reduce(t))
+    return placement
+
+
+@dataclass
+class EPContext:
+    """Rank 0's handle on the job: shards and wraps the target `LLM` loads."""
+
+    group: EPGroup
+    channel: Channel
+    placement: ExpertPlacement | None = None  # set once the target is loaded
+    leader: LeaderTarget | None = field(default=None, repr=False)
+
+    def leader_target(self, target: TargetModel) -> LeaderTarget:
+        self.placement = shard_target(target, self.group)
+        self.leader = LeaderTarget(target, self.channel)
+        return self.leader
+
+    def close(self) -> None:
+        """Release the worker ranks (also when rank 0 failed before loading anything)."""
+        self.channel.send_stop()
+
+
+def run_expert_parallel(target_dir, device: str, dtype: str, threads: int,
+                        leader_main: Callable[[EPContext], int]) -> int:
+    """Run `leader_main(ctx)` on rank 0 and a target server on every other rank; returns the exit code."""
+    group = init_ep(device)
+    torch.set_num_threads(threads)
+    channel = Channel(group)
+    if group.rank == 0:
+        return guarded(0, lambda: _lead(EPContext(group, channel), leader_main), group)
+    return guarded(group.rank, lambda: _serve(target_dir, group, dtype, channel), group)
+
+
+def _lead(ctx: EPContext, leader_main: Callable[[EPContext], int]) -> int:
+    try:
+        return leader_main(ctx)
+    except (ValueError, FileNotFoundError, KeyError) as e:  # bad input found on rank 0: one line, exit 2
+        print(f"moespec: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        ctx.close()
+
+
+def _serve(target_dir, group: EPGroup, dtype: str, channel: Channel) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # rank 0 owns the terminal
+    target = TargetModel.load(target_dir, device=group.device, dtype=dtype)
+    shard_target(target, group)
+    serve_target(target, channel)
+    return 0
