@@ -132,7 +132,7 @@ class LLM:
         self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
         placement = None
         if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
-            self.target = ep.leader_target(self.target)
+            self.target = ep.leader_target(self.target, self.paths.target, dtype)
             placement = ep.placement
         self.tokenizer = _load_tokenizer(self.paths.target)
         options = dict(policy_options or {})

@@ -48,6 +48,7 @@ def _llm_from_args(args, ep=None):
 
 
 def cmd_generate(args) -> int:
+    ep = _checked_ep(args)  # a bad launch fails before the heavy imports
     from .api import SamplingParams
 
     if args.prompt is None and args.prompt_file is None:
@@ -55,13 +56,10 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    ep = _checked_ep(args)
     if ep > 1:
         from .parallel.run import run_expert_parallel
-        from .resolve import resolve_model
 
-        return run_expert_parallel(resolve_model(args.model).target, args.device, args.dtype, args.threads,
-                                   lambda ctx: _generate(args, prompt, params, ctx))
+        return run_expert_parallel(args.device, args.threads, lambda ctx: _generate(args, prompt, params, ctx))
     return _generate(args, prompt, params, None)
 
 

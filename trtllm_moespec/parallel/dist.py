@@ -202,6 +202,9 @@ def maybe_inject_fault(rank: int, command: int) -> None:
     fault_rank, fault_command, kind = spec.split(":")
     if int(fault_rank) != rank or int(fault_command) != command:
         return
+    import time
+
+    print(f"moespec: rank {rank}: injecting a fault ({kind}) at t={time.time():.3f}", file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")

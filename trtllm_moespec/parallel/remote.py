@@ -14,7 +14,8 @@ Commands are int64 tensors (a fixed header and one payload): nothing is pickled.
 from __future__ import annotations
 
 import weakref
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -22,8 +23,20 @@ from ..core.layout import TreeLayout
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .dist import EPGroup, maybe_inject_fault
 
-NEW, PREFILL, VERIFY, COMMIT, DISCARD, FREE, STOP = range(1, 8)
-_HEADER = 6  # [op, cache id, payload length, arg a, arg b, command count]
+LOAD, NEW, PREFILL, VERIFY, COMMIT, DISCARD, FREE, STOP = range(1, 9)
+_HEADER = 7  # [op, target id, cache id, payload length, arg a, arg b, command count]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command from rank 0, as a worker receives it."""
+
+    op: int
+    target_id: int  # which loaded target (several LLMs may share one job)
+    cache_id: int  # which KV cache (ids are unique over the job)
+    a: int  # op-specific small arguments (see LeaderTarget)
+    b: int
+    payload: torch.Tensor  # [n] int64
 
 
 class Channel:
@@ -32,14 +45,20 @@ class Channel:
     def __init__(self, group: EPGroup):
         self.group = group
         self.count = 0  # commands sent / received so far
+        self._next_id = 0  # target and cache ids, unique over the job
 
-    def send(self, op: int, cache_id: int = -1, payload: torch.Tensor | None = None, a: int = 0, b: int = 0) -> None:
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def send(self, op: int, target_id: int = 0, cache_id: int = 0, payload: torch.Tensor | None = None,
+             a: int = 0, b: int = 0) -> None:
         import torch.distributed as dist
 
         payload = torch.zeros(0, dtype=torch.int64) if payload is None else payload.reshape(-1).to("cpu", torch.int64)
         self.count += 1
         maybe_inject_fault(self.group.rank, self.count)
-        header = torch.tensor([op, cache_id, payload.numel(), a, b, self.count], dtype=torch.int64)
+        header = torch.tensor([op, target_id, cache_id, payload.numel(), a, b, self.count], dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.group.control)
         if payload.numel():
             dist.broadcast(payload.contiguous(), src=0, group=self.group.control)
@@ -48,19 +67,27 @@ class Channel:
         """Tell the workers to return from serve_target."""
         self.send(STOP)
 
-    def recv(self) -> tuple[int, int, int, int, torch.Tensor]:
-        """(op, cache id, a, b, payload) of rank 0's next command."""
+    def recv(self) -> Command:
+        """Rank 0's next command."""
         import torch.distributed as dist
 
         header = torch.zeros(_HEADER, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.group.control)
-        op, cache_id, n, a, b, count = header.tolist()
+        op, target_id, cache_id, n, a, b, count = header.tolist()
         payload = torch.zeros(n, dtype=torch.int64)
         if n:
             dist.broadcast(payload, src=0, group=self.group.control)
         self.count = count
         maybe_inject_fault(self.group.rank, count)
-        return op, cache_id, a, b, payload
+        return Command(op, target_id, cache_id, a, b, payload)
+
+
+def encode_text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.int64)
+
+
+def decode_text(payload: torch.Tensor) -> str:
+    return bytes(payload.tolist()).decode()
 
 
 def pack_layout(layout: TreeLayout) -> tuple[torch.Tensor, int, int]:
@@ -86,26 +113,24 @@ class LeaderTarget:
     """Rank 0's view of an expert-parallel target: every forward runs on all ranks.
 
     Behaves as the wrapped `TargetModel` (attributes are forwarded), so the engine,
-    drafters and predictors use it unchanged.
+    drafters and predictors use it unchanged. Creating one has every worker load
+    (or reuse) the same checkpoint and shard it the same way.
     """
 
-    def __init__(self, target: TargetModel, channel: Channel):
+    def __init__(self, target: TargetModel, channel: Channel, path: str, dtype: str):
         self._target = target
         self._channel = channel
         self._ids: dict[int, int] = {}  # id(cache) -> cache id shared with the workers
-        self._next_id = 0
-        self._freed: list[int] = []  # ids of collected caches, released on the next command
+        self._freed: list[int] = []  # ids of collected caches, released with the next command
+        self.target_id = channel.new_id()
+        channel.send(LOAD, self.target_id, payload=encode_text(f"{dtype}\n{path}"))
 
     def __getattr__(self, name):
         return getattr(self._target, name)
 
-    @property
-    def inner(self) -> TargetModel:
-        return self._target
-
     def new_cache(self) -> TargetCache:
         cache = self._target.new_cache()
-        cache_id, self._next_id = self._next_id, self._next_id + 1
+        cache_id = self._channel.new_id()
         self._ids[id(cache)] = cache_id
         weakref.finalize(cache, self._collected, id(cache), cache_id)
         self._send(NEW, cache_id)
@@ -134,44 +159,51 @@ class LeaderTarget:
         self._send(DISCARD, self._ids[id(cache)])
         self._target.discard(cache)
 
-    def _send(self, op: int, cache_id: int = -1, payload: torch.Tensor | None = None, a: int = 0, b: int = 0) -> None:
+    def _send(self, op: int, cache_id: int, payload: torch.Tensor | None = None, a: int = 0, b: int = 0) -> None:
         while self._freed:
-            self._channel.send(FREE, self._freed.pop())
-        self._channel.send(op, cache_id, payload, a, b)
+            self._channel.send(FREE, self.target_id, self._freed.pop())
+        self._channel.send(op, self.target_id, cache_id, payload, a, b)
 
 
-def serve_target(target: TargetModel, channel: Channel) -> int:
-    """A worker rank: replay rank 0's target commands until STOP; returns commands served.
+def serve_target(load: Callable[[str, str], TargetModel], channel: Channel) -> int:
+    """A worker rank: replay rank 0's target commands until STOP; returns the commands served.
 
+    `load(path, dtype)` loads and shards a checkpoint (called once per distinct one).
     A ValueError from a command is the same check failing on rank 0 with the same
-    inputs (raised before any collective): rank 0 reports it, the worker carries on.
+    inputs, raised before any collective: rank 0 reports it, the worker carries on.
     """
+    loaded: dict[str, TargetModel] = {}
+    targets: dict[int, TargetModel] = {}
     caches: dict[int, TargetCache] = {}
-    served = 0
     while True:
-        op, cache_id, a, b, payload = channel.recv()
-        served += 1
-        if op == STOP:
-            return served
+        cmd = channel.recv()
+        if cmd.op == STOP:
+            return channel.count
+        if cmd.op == LOAD:
+            key = decode_text(cmd.payload)
+            if key not in loaded:
+                dtype, path = key.split("\n", 1)
+                loaded[key] = load(path, dtype)
+            targets[cmd.target_id] = loaded[key]
+            continue
         try:
-            _serve_one(target, caches, op, cache_id, a, b, payload)
+            _serve_one(targets[cmd.target_id], caches, cmd)
         except ValueError:
             continue
 
 
-def _serve_one(target: TargetModel, caches: dict[int, TargetCache], op: int, cache_id: int, a: int, b: int,
-               payload: torch.Tensor) -> None:
-    if op == NEW:
-        caches[cache_id] = target.new_cache()
-    elif op == FREE:
-        caches.pop(cache_id, None)
-    elif op == PREFILL:
-        target.prefill(caches[cache_id], payload.reshape(1, -1).to(target.device), bool(a))
-    elif op == VERIFY:
-        target.verify(caches[cache_id], unpack_layout(payload, a, b, target.device))
-    elif op == COMMIT:
-        target.commit(caches[cache_id], payload.to(target.device))
-    elif op == DISCARD:
-        target.discard(caches[cache_id])
+def _serve_one(target: TargetModel, caches: dict[int, TargetCache], cmd: Command) -> None:
+    if cmd.op == NEW:
+        caches[cmd.cache_id] = target.new_cache()
+    elif cmd.op == FREE:
+        caches.pop(cmd.cache_id, None)
+    elif cmd.op == PREFILL:
+        target.prefill(caches[cmd.cache_id], cmd.payload.reshape(1, -1).to(target.device), bool(cmd.a))
+    elif cmd.op == VERIFY:
+        target.verify(caches[cmd.cache_id], unpack_layout(cmd.payload, cmd.a, cmd.b, target.device))
+    elif cmd.op == COMMIT:
+        target.commit(caches[cmd.cache_id], cmd.payload.to(target.device))
+    elif cmd.op == DISCARD:
+        target.discard(caches[cmd.cache_id])
     else:
-        raise RuntimeError(f"unknown command {op} from rank 0")
+        raise RuntimeError(f"unknown command {cmd.op} from rank 0")

@@ -2,7 +2,8 @@
 
 Rank 0 builds the usual `LLM` (drafter, predictor, policy, tokenizer) with an
 `EPContext`, which shards rank 0's target and wraps it in a `LeaderTarget`; the
-other ranks load the same checkpoint, keep their experts and serve target commands.
+other ranks serve target commands, loading and sharding the same checkpoint when
+rank 0 does (several LLMs may be built in one job, one after another or side by side).
 Launch checks run before any MPI or torch.distributed set-up and before any
 weights load, so a bad launch is one line and exit code 2 on rank 0 (the other
 ranks exit 2 silently).
@@ -65,9 +66,10 @@ class EPContext:
     placement: ExpertPlacement | None = None  # set once the target is loaded
     leader: LeaderTarget | None = field(default=None, repr=False)
 
-    def leader_target(self, target: TargetModel) -> LeaderTarget:
+    def leader_target(self, target: TargetModel, path, dtype: str) -> LeaderTarget:
+        """Shard rank 0's freshly loaded `target` (from `path`, `dtype`); every worker loads and shards it too."""
         self.placement = shard_target(target, self.group)
-        self.leader = LeaderTarget(target, self.channel)
+        self.leader = LeaderTarget(target, self.channel, str(path), dtype)
         return self.leader
 
     def close(self) -> None:
@@ -75,15 +77,14 @@ class EPContext:
         self.channel.send_stop()
 
 
-def run_expert_parallel(target_dir, device: str, dtype: str, threads: int,
-                        leader_main: Callable[[EPContext], int]) -> int:
+def run_expert_parallel(device: str, threads: int, leader_main: Callable[[EPContext], int]) -> int:
     """Run `leader_main(ctx)` on rank 0 and a target server on every other rank; returns the exit code."""
     group = init_ep(device)
     torch.set_num_threads(threads)
     channel = Channel(group)
     if group.rank == 0:
         return guarded(0, lambda: _lead(EPContext(group, channel), leader_main), group)
-    return guarded(group.rank, lambda: _serve(target_dir, group, dtype, channel), group)
+    return guarded(group.rank, lambda: _serve(group, channel), group)
 
 
 def _lead(ctx: EPContext, leader_main: Callable[[EPContext], int]) -> int:
@@ -96,11 +97,15 @@ def _lead(ctx: EPContext, leader_main: Callable[[EPContext], int]) -> int:
         ctx.close()
 
 
-def _serve(target_dir, group: EPGroup, dtype: str, channel: Channel) -> int:
+def _serve(group: EPGroup, channel: Channel) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # rank 0 owns the terminal
-    target = TargetModel.load(target_dir, device=group.device, dtype=dtype)
-    shard_target(target, group)
-    serve_target(target, channel)
+
+    def load(path: str, dtype: str) -> TargetModel:
+        target = TargetModel.load(path, device=group.device, dtype=dtype)
+        shard_target(target, group)
+        return target
+
+    serve_target(load, channel)
     return 0

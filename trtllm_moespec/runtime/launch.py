@@ -125,8 +125,7 @@ def _run_pytorch_ep(args: argparse.Namespace, spec: EngineSpec, world_size: int)
     if spec.checkpoint is None:
         raise ValueError(f"{args.engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
     check_launch(world_size, spec.checkpoint)
-    return run_expert_parallel(spec.checkpoint, args.device or "cpu", args.dtype or spec.dtype, 1,
-                               lambda ctx: _run_leader(args, "pytorch", world_size, ep=ctx))
+    return run_expert_parallel(args.device or "cpu", 1, lambda ctx: _run_leader(args, "pytorch", world_size, ep=ctx))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
