@@ -21,6 +21,7 @@ from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
+from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
@@ -52,13 +53,15 @@ class SpecEngine:
     """Runs requests through draft -> select -> verify -> commit on one target."""
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
-                 predictor=None, selector: Callable | None = None, placement: ExpertPlacement | None = None):
+                 predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
+                 placement: ExpertPlacement | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
         self.draft_source = draft_source if (draft_source is not None and policy.drafts) else NoDraft()
         self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
         self.selector = selector  # optional device op replacing policy.select (same contract)
+        self.values = values  # node values for the cost-aware policies (None = raw path scores)
         self.placement = placement  # expert parallelism: which rank holds each expert (stats per rank)
 
     # ------------------------------------------------------------------ public
@@ -76,9 +79,10 @@ class SpecEngine:
             yield request.output_ids[-1:]
             return
         yield [root]
+        values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
         while True:
             before = len(request.output_ids)
-            done = self._step(request, cache, state)
+            done = self._step(request, cache, state, values)
             yield request.output_ids[before:]
             if done:
                 return
@@ -91,7 +95,7 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, state) -> bool:
+    def _step(self, request: Request, cache, state, values: RequestValues | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
         root = context[-1]
@@ -109,7 +113,9 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
-        selection = self._select(tree, experts, root_bits, target_scores)
+        # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
+        selection = self._select(valued, experts, root_bits, target_scores)
         layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
         t_select = time.perf_counter() - t0
 
@@ -119,6 +125,10 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
+        if values is not None:  # the step's own outcome updates the request's value model (no extra forward)
+            t0 = time.perf_counter()
+            values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
+            t_select += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.target.commit(cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
