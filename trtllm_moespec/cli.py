@@ -51,7 +51,9 @@ def _llm_from_args(args, ep=None):
 
 
 def cmd_generate(args) -> int:
-    ep = _checked_ep(args)  # a bad launch fails before the heavy imports
+    from .parallel.run import launch_ep_size
+
+    ep = launch_ep_size(args.ep, args.model)  # a bad launch fails before loading anything
     from .api import SamplingParams
 
     if args.prompt is None and args.prompt_file is None:
@@ -64,23 +66,6 @@ def cmd_generate(args) -> int:
 
         return run_expert_parallel(args.device, args.threads, lambda ctx: _generate(args, prompt, params, ctx))
     return _generate(args, prompt, params, None)
-
-
-def _checked_ep(args) -> int:
-    """EP size of this launch (1 = one process); bad launches raise on rank 0 and exit 2 quietly elsewhere."""
-    from .parallel.dist import launched_rank, launched_world_size
-
-    if args.ep is None and launched_world_size() == 1:
-        return 1
-    from .parallel.run import check_launch
-    from .resolve import resolve_model
-
-    try:
-        return check_launch(args.ep, resolve_model(args.model).target)
-    except (ValueError, FileNotFoundError):
-        if launched_rank() != 0:
-            sys.exit(2)  # rank 0 prints the one line
-        raise
 
 
 def _generate(args, prompt: str, params, ep) -> int:

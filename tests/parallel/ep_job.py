@@ -13,6 +13,7 @@ import json
 import sys
 
 from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.parallel.experts import ShardedExperts
 from trtllm_moespec.parallel.run import run_expert_parallel
 
 
@@ -27,6 +28,10 @@ def run_cases(cases: list[dict], ctx) -> list[dict]:
         results.append({"name": case["name"], "token_ids": [o.token_ids for o in outs],
                         "stats": [o.stats.to_dict() for o in outs],
                         "placement_ranks": ctx.placement.num_ranks,
+                        "sharded_calls": sum(m.num_calls for m in ctx.leader.model.modules()
+                                             if isinstance(m, ShardedExperts)),
+                        "local_experts": [m.inner.num_experts for m in ctx.leader.model.modules()
+                                          if isinstance(m, ShardedExperts)],
                         "policy_placement": getattr(llm.policy, "placement", None) is not None})
     return results
 

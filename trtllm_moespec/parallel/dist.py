@@ -10,10 +10,13 @@ selects, or runs other work between forwards) but block on sockets without
 spinning a core.
 
 Failures: `guarded` runs a rank's main; any exception prints one line naming the
-rank, and MPI_Abort ends every rank. A rank killed outright breaks its peers'
-sockets: the peer blocked in a collective gets an error at once and names the
-ranks whose processes are gone (pids exchanged at start; on one host). If the
-launcher tears a rank down first (SIGTERM), that rank says so on one line too.
+rank, and MPI_Abort ends every rank. A rank killed outright cannot speak for itself,
+and MPICH's launcher SIGKILLs the other ranks as soon as one dies, so `supervise`
+splits each rank in two before MPI starts: the process the launcher sees waits for
+its child, which runs the rank; when the child is killed the parent prints one line
+naming the rank and the signal, and exits, and the launcher ends the job. The child
+dies with its parent (PR_SET_PDEATHSIG), so killing either leaves no orphan. A peer
+blocked in a collective when a rank dies also says which ranks are gone if it can.
 `MOESPEC_EP_FAULT=rank:command:raise|kill` injects a failure for the tests.
 """
 
@@ -121,6 +124,43 @@ def _host_id() -> int:
 
 
 # ---------------------------------------------------------------------- failures
+def supervise(rank: int) -> None:
+    """Fork this rank (before any MPI or torch.distributed set-up). Returns in the child, which runs
+    the rank; the parent never returns: it exits with the child's status, after one line naming the
+    rank when the child was killed by a signal."""
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _die_with_parent(parent)
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher's signals reach the rank
+        signal.signal(sig, lambda num, _: os.kill(child, num))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        os.write(2, f"moespec: error: rank {rank}: killed by {name}; stopping every rank\n".encode())
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status))
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux); no orphan survives a killed launcher process."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def guarded(rank: int, main: Callable[[], int], group: EPGroup | None = None) -> int:
     """Run one rank's `main`; on any failure print one line naming the rank and end every rank."""
     signal.signal(signal.SIGTERM, lambda *_: _on_terminate(rank, group))
@@ -137,7 +177,7 @@ def describe_failure(error: BaseException, rank: int, group: EPGroup | None) -> 
     """One line: which peer ranks are gone (if a collective broke), else the error itself."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if group is not None and _is_peer_failure(error):
-        gone = dead_ranks(group)
+        gone = _wait_for_dead_ranks(group)
         if gone:
             return f"rank {', '.join(map(str, gone))} ended unexpectedly; stopping every rank"
         return f"a peer rank ended unexpectedly ({text[:120]}); stopping every rank"
@@ -150,6 +190,19 @@ def _is_peer_failure(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and any(
         s in text for s in ("Connection closed", "Connection reset", "Read error", "Write error", "gloo", "NCCL"))
+
+
+def _wait_for_dead_ranks(group: EPGroup, patience_s: float = 0.5) -> list[int]:
+    """The peers that are gone; a killed process closes its sockets before it turns into a zombie,
+    so a broken collective can be seen a moment before the peer's /proc entry says it died."""
+    import time
+
+    deadline = time.monotonic() + patience_s
+    while True:
+        gone = dead_ranks(group)
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.05)
 
 
 def dead_ranks(group: EPGroup) -> list[int]:

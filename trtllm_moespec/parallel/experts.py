@@ -48,9 +48,11 @@ class ShardedExperts(nn.Module):
         local_index = torch.full((num_experts,), -1, dtype=torch.int64)
         local_index[keep] = torch.arange(len(local_ids))
         self.register_buffer("local_index", local_index.to(experts_device(experts)), persistent=False)
+        self.num_calls = 0  # forwards through this shard (tests check the sharded path really runs)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape  # hidden_states [T, H], top_k_weights [T, k]
+        self.num_calls += 1
         local = self.local_index[top_k_index.reshape(-1)]  # [T*k] local slot of each (token, slot)'s expert, -1 elsewhere
         rows = torch.nonzero(local >= 0).squeeze(1)  # [S_local] flat (token, slot) rows this rank computes
         slots = hidden_states.new_zeros(T * k, hidden_states.shape[-1])  # [T*k, H]

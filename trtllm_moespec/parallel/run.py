@@ -21,7 +21,7 @@ from ..core.placement import ExpertPlacement, check_divides
 from ..models.arch import arch_spec
 from ..models.checkpoint import read_config_json
 from ..models.target import TargetModel
-from .dist import EPGroup, check_ep_launch, guarded, init_ep, launched_world_size
+from .dist import EPGroup, check_ep_launch, guarded, init_ep, launched_rank, launched_world_size, supervise
 from .experts import shard_target_experts
 from .remote import Channel, LeaderTarget, serve_target
 
@@ -44,6 +44,21 @@ def check_launch(ep: int | None, target_dir) -> int:
     if ep > 1:
         check_divides(num_routed_experts(target_dir), ep)
     return ep
+
+
+def launch_ep_size(ep: int | None, model: str) -> int:
+    """EP size of this launch for a CLI command (1 = one process). A bad launch raises ValueError on
+    rank 0 (the CLI prints the one line, exit 2) and exits 2 quietly on the other ranks."""
+    if ep is None and launched_world_size() == 1:
+        return 1
+    from ..resolve import resolve_model
+
+    try:
+        return check_launch(ep, resolve_model(model).target)
+    except (ValueError, FileNotFoundError):
+        if launched_rank() != 0:
+            sys.exit(2)
+        raise
 
 
 def shard_target(target: TargetModel, group: EPGroup) -> ExpertPlacement:
@@ -79,6 +94,7 @@ class EPContext:
 
 def run_expert_parallel(device: str, threads: int, leader_main: Callable[[EPContext], int]) -> int:
     """Run `leader_main(ctx)` on rank 0 and a target server on every other rank; returns the exit code."""
+    supervise(launched_rank())  # a killed rank is reported by its supervisor (see dist.py)
     group = init_ep(device)
     torch.set_num_threads(threads)
     channel = Channel(group)
