@@ -1,6 +1,7 @@
 """Expert parallelism on this CPU: 1 process vs 2 ranks, and joint with / without EP-aware pricing.
 
     mpirun -n 2 python -m benchmarks.bench_ep [--model moespec-tiny] [--tokens 48] [--repeats 2] [--json PATH]
+                                              [--ep-profile PATH]   # from `mpirun -n 2 moespec profile --ep 2`
 
 Everything runs in one 2-rank job, interleaved per prompt so machine drift hits every
 variant alike: rank 0 also holds a plain one-process LLM (rank 1 then waits on a
@@ -28,20 +29,23 @@ from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.bench.datasets import load_prompts
 from trtllm_moespec.parallel.run import run_expert_parallel
 
-VARIANTS = (  # (name, policy, ep, ep_pricing)
-    ("1 process / eagle3", "eagle3", False, False),
-    ("2 ranks / eagle3", "eagle3", True, False),
-    ("1 process / joint", "joint", False, False),
-    ("2 ranks / joint, global pricing", "joint", True, False),
-    ("2 ranks / joint, EP-aware pricing", "joint", True, True),
+VARIANTS = (  # (name, policy, ep, ep_pricing, cost profile: the model's own or the 2-rank one)
+    ("1 process / eagle3", "eagle3", False, False, "own"),
+    ("2 ranks / eagle3", "eagle3", True, False, "own"),
+    ("1 process / joint", "joint", False, False, "own"),
+    ("2 ranks / joint, global pricing", "joint", True, False, "own"),
+    ("2 ranks / joint, EP-aware pricing", "joint", True, True, "own"),
+    ("2 ranks / joint, global pricing, EP profile", "joint", True, False, "ep"),
+    ("2 ranks / joint, EP-aware pricing, EP profile", "joint", True, True, "ep"),
 )
 FIELDS = ("tokens_per_s", "mean_accepted_tokens", "verified_tokens", "target_ms", "step_ms", "unique_experts_per_layer",
           "busiest_rank_experts_per_layer")
 
 
 def _measure(args, ctx) -> dict:
-    llms = {name: LLM(args.model, policy=policy, ep=ctx if ep else None, ep_pricing=pricing)
-            for name, policy, ep, pricing in VARIANTS}
+    llms = {name: LLM(args.model, policy=policy, ep=ctx if ep else None, ep_pricing=pricing,
+                      cost_profile=args.ep_profile if profile == "ep" else None)
+            for name, policy, ep, pricing, profile in VARIANTS if profile == "own" or args.ep_profile}
     prompts = [p.text for p in load_prompts(args.dataset, args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     for llm in llms.values():  # warm-up
@@ -92,7 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ep-profile", default=None, help="cost profile measured with 2 ranks (C(k, U_max) fit)")
     args = ap.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     def lead(ctx) -> int:
         load = os.getloadavg()
