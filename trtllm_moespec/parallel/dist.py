@@ -128,6 +128,9 @@ def supervise(rank: int) -> None:
     """Fork this rank (before any MPI or torch.distributed set-up). Returns in the child, which runs
     the rank; the parent never returns: it exits with the child's status, after one line naming the
     rank when the child was killed by a signal."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        return  # forking an MPI-initialised process is unsafe: run unsupervised (peers still report a death)
     parent = os.getpid()
     child = os.fork()
     if child == 0:

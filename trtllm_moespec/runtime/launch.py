@@ -38,16 +38,17 @@ class LaunchPlan:
 
 
 def mpi_rank_and_size() -> tuple[int, int]:
-    """(rank, world size) from mpi4py when available, else launcher env vars, else (0, 1)."""
+    """(rank, world size) from the launcher's env vars, else mpi4py, else (0, 1). The env comes first so
+    that nothing initialises MPI before the PyTorch expert-parallel path forks its rank supervisor."""
+    if any(k in os.environ for k in _SIZE_ENV):
+        rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
+        return rank, next(int(os.environ[k]) for k in _SIZE_ENV if k in os.environ)
     try:
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     except ImportError:
-        pass
-    rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
-    size = next((int(os.environ[k]) for k in _SIZE_ENV if k in os.environ), 1)
-    return rank, size
+        return 0, 1
 
 
 def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> LaunchPlan:
