@@ -100,6 +100,7 @@ class LLM:
         override_profile: bool = False,
         ep=None,
         ep_pricing: bool = True,
+        model_impl: str = "lean",
         values: str = "calibrated",
     ):
         """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
@@ -137,10 +138,10 @@ class LLM:
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
 
-        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
+        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
         placement = None
         if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
-            self.target = ep.leader_target(self.target, self.paths.target, dtype)
+            self.target = ep.leader_target(self.target, self.paths.target, dtype, model_impl)
             placement = ep.placement
         self.tokenizer = _load_tokenizer(self.paths.target)
         options = dict(policy_options or {})

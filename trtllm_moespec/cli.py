@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens (default 4,8,32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--model-impl", default="lean", choices=["lean", "hf"],
+                   help="target forward: lean (ours, static KV cache; default) or hf (transformers, the reference)")
     p.add_argument("--cost-profile", default=None, help="cost_profile.json, or roofline:H200 for an estimate")
     p.add_argument("--override-profile", action="store_true", help="use a profile made for another setting")
     p.add_argument("--predictor", default=None, help="expert predictor directory, or 'oracle' (analysis only)")
@@ -46,8 +48,8 @@ def _llm_from_args(args, ep=None):
 
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=TreeConfig.parse(args.tree),
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
-               drafter=args.drafter, override_profile=args.override_profile, values=args.values, ep=ep,
-               ep_pricing=getattr(args, "ep_pricing", True))
+               drafter=args.drafter, override_profile=args.override_profile, values=args.values,
+               model_impl=args.model_impl, ep=ep, ep_pricing=getattr(args, "ep_pricing", True))
 
 
 def cmd_generate(args) -> int:

@@ -21,19 +21,28 @@ def run_cases(cases: list[dict], ctx) -> list[dict]:
     results = []
     for case in cases:
         llm = LLM(case["model"], draft_model=case.get("draft_model"), policy=case["policy"],
-                  predictor=case.get("predictor"), ep=ctx, ep_pricing=case.get("ep_pricing", True))
+                  predictor=case.get("predictor"), ep=ctx, ep_pricing=case.get("ep_pricing", True),
+                  model_impl=case.get("model_impl", "lean"))
         params = SamplingParams(max_tokens=case["max_tokens"], temperature=case.get("temperature", 0.0),
                                 seed=case.get("seed"), ignore_eos=True)
         outs = llm.generate(case["prompts"], params)
         results.append({"name": case["name"], "token_ids": [o.token_ids for o in outs],
                         "stats": [o.stats.to_dict() for o in outs],
                         "placement_ranks": ctx.placement.num_ranks,
-                        "sharded_calls": sum(m.num_calls for m in ctx.leader.model.modules()
-                                             if isinstance(m, ShardedExperts)),
-                        "local_experts": [m.inner.num_experts for m in ctx.leader.model.modules()
-                                          if isinstance(m, ShardedExperts)],
+                        **_shard_stats(ctx.leader),
                         "policy_placement": getattr(llm.policy, "placement", None) is not None})
     return results
+
+
+def _shard_stats(target) -> dict:
+    """Calls through rank 0's expert shards and their local expert counts (lean or transformers path)."""
+    if target.lean is not None:
+        shards = [layer.experts.module for layer in target.lean.layers if layer.experts is not None]
+        local = [s.local.num_experts for s in shards]
+    else:
+        shards = [m for m in target.model.modules() if isinstance(m, ShardedExperts)]
+        local = [s.inner.num_experts for s in shards]
+    return {"sharded_calls": sum(s.num_calls for s in shards), "local_experts": local}
 
 
 def main(cases_path: str, results_path: str) -> int:

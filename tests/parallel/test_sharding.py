@@ -43,6 +43,35 @@ def test_sharded_experts_are_bitwise_equal_to_one_process(config, num_ranks):
         assert torch.equal(_simulate(experts, placement, hidden, ids, weights), experts(hidden, ids, weights))
 
 
+@pytest.mark.parametrize("config", [qwen3_moe_config, gpt_oss_config])
+def test_lean_shards_are_bitwise_equal_to_the_lean_forward(config):
+    from types import SimpleNamespace
+
+    from trtllm_moespec.models.moe import gpt_oss_weights, qwen3_moe_weights, routed_experts
+    from trtllm_moespec.parallel.experts import LeanShard, local_index_of
+
+    model = build_hf(config())
+    mlp = model.model.layers[0].mlp
+    weights_of = gpt_oss_weights if hasattr(mlp, "router") else qwen3_moe_weights
+    _, full = weights_of(mlp)
+    E, k = mlp.experts.num_experts, model.config.num_experts_per_tok
+    placement = ExpertPlacement.contiguous(1, E, 2)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, model.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(9)])
+    weights = torch.rand(9, k, generator=g)
+    total = None
+    for rank in range(2):
+        local_ids = placement.local_experts(rank)
+        shard = ShardedExperts(copy.deepcopy(mlp.experts), local_ids, lambda t: None)
+        router = {"router": mlp.router} if hasattr(mlp, "router") else {"gate": mlp.gate}
+        _, local = weights_of(SimpleNamespace(experts=shard.inner, **router))
+        sent = []
+        LeanShard(local, local_index_of(local_ids, E, "cpu"), lambda t: sent.append(t.clone()))(hidden, ids, weights)
+        total = sent[0] if total is None else total + sent[0]
+    assert torch.equal(total.view(9, k, -1).sum(dim=1), routed_experts(hidden, ids, weights, full))
+
+
 def test_a_shard_keeps_only_its_experts():
     experts = build_hf(qwen3_moe_config()).model.layers[0].mlp.experts
     full = experts.gate_up_proj.detach().clone()

@@ -117,13 +117,13 @@ class LeaderTarget:
     (or reuse) the same checkpoint and shard it the same way.
     """
 
-    def __init__(self, target: TargetModel, channel: Channel, path: str, dtype: str):
+    def __init__(self, target: TargetModel, channel: Channel, path: str, dtype: str, model_impl: str):
         self._target = target
         self._channel = channel
         self._ids: dict[int, int] = {}  # id(cache) -> cache id shared with the workers
         self._freed: list[int] = []  # ids of collected caches, released with the next command
         self.target_id = channel.new_id()
-        channel.send(LOAD, self.target_id, payload=encode_text(f"{dtype}\n{path}"))
+        channel.send(LOAD, self.target_id, payload=encode_text(f"{dtype}\n{model_impl}\n{path}"))
 
     def __getattr__(self, name):
         return getattr(self._target, name)
@@ -165,10 +165,10 @@ class LeaderTarget:
         self._channel.send(op, self.target_id, cache_id, payload, a, b)
 
 
-def serve_target(load: Callable[[str, str], TargetModel], channel: Channel) -> int:
+def serve_target(load: Callable[[str, str, str], TargetModel], channel: Channel) -> int:
     """A worker rank: replay rank 0's target commands until STOP; returns the commands served.
 
-    `load(path, dtype)` loads and shards a checkpoint (called once per distinct one).
+    `load(path, dtype, model_impl)` loads and shards a checkpoint (once per distinct one).
     A ValueError from a command is the same check failing on rank 0 with the same
     inputs, raised before any collective: rank 0 reports it, the worker carries on.
     """
@@ -182,8 +182,8 @@ def serve_target(load: Callable[[str, str], TargetModel], channel: Channel) -> i
         if cmd.op == LOAD:
             key = decode_text(cmd.payload)
             if key not in loaded:
-                dtype, path = key.split("\n", 1)
-                loaded[key] = load(path, dtype)
+                dtype, model_impl, path = key.split("\n", 2)
+                loaded[key] = load(path, dtype, model_impl)
             targets[cmd.target_id] = loaded[key]
             continue
         try:

@@ -22,7 +22,7 @@ from ..models.arch import arch_spec
 from ..models.checkpoint import read_config_json
 from ..models.target import TargetModel
 from .dist import EPGroup, check_ep_launch, guarded, init_ep, launched_rank, launched_world_size, supervise
-from .experts import shard_target_experts
+from .experts import shard_lean_layers, shard_target_experts
 from .remote import Channel, LeaderTarget, serve_target
 
 
@@ -68,7 +68,10 @@ def shard_target(target: TargetModel, group: EPGroup) -> ExpertPlacement:
     placement = ExpertPlacement.contiguous(len(target.moe_layers), target.num_experts, group.world_size)
     paths = [target.spec.experts_path.format(i=i) for i in target.moe_layers]
     local = [placement.local_experts(group.rank, layer) for layer in range(placement.num_layers)]
-    shard_target_experts(target.model, paths, local, lambda t: dist.all_reduce(t))
+    reduce = lambda t: dist.all_reduce(t)  # noqa: E731
+    shards = shard_target_experts(target.model, paths, local, reduce)
+    if target.lean is not None:
+        shard_lean_layers(target.lean, target.model, target.moe_layers, shards, reduce)
     return placement
 
 
@@ -81,10 +84,11 @@ class EPContext:
     placement: ExpertPlacement | None = None  # set once the target is loaded
     leader: LeaderTarget | None = field(default=None, repr=False)
 
-    def leader_target(self, target: TargetModel, path, dtype: str) -> LeaderTarget:
-        """Shard rank 0's freshly loaded `target` (from `path`, `dtype`); every worker loads and shards it too."""
+    def leader_target(self, target: TargetModel, path, dtype: str, model_impl: str = "lean") -> LeaderTarget:
+        """Shard rank 0's freshly loaded `target` (from `path`, `dtype`, `model_impl`); every worker loads
+        and shards it too."""
         self.placement = shard_target(target, self.group)
-        self.leader = LeaderTarget(target, self.channel, str(path), dtype)
+        self.leader = LeaderTarget(target, self.channel, str(path), dtype, model_impl)
         return self.leader
 
     def close(self) -> None:
@@ -118,8 +122,8 @@ def _serve(group: EPGroup, channel: Channel) -> int:
 
     hf_logging.disable_progress_bar()  # rank 0 owns the terminal
 
-    def load(path: str, dtype: str) -> TargetModel:
-        target = TargetModel.load(path, device=group.device, dtype=dtype)
+    def load(path: str, dtype: str, model_impl: str) -> TargetModel:
+        target = TargetModel.load(path, device=group.device, dtype=dtype, model_impl=model_impl)
         shard_target(target, group)
         return target
 
