@@ -59,7 +59,7 @@ def _check_greedy(checkpoints, references, arch, drafter, policy, model_impl):
             assert stats.verified_tokens == 0
 
 
-@pytest.mark.parametrize("values", ["raw", "calibrated"])
+@pytest.mark.parametrize("values", ["raw", "calibrated", "head"])
 @pytest.mark.parametrize("policy", ["evict", "ecospec", "joint", "coverage"])
 def test_greedy_exact_under_every_value_model(checkpoints, references, policy, values):
     """Values only re-rank which nodes are verified: every value model keeps greedy output exact

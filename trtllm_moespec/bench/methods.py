@@ -115,5 +115,5 @@ def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, de
 
     llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
               cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
-              policy_options=spec.options or None, values=spec.values)
+              policy_options=spec.options or None, values=spec.values, threads=None)  # bench set --threads
     return MethodRunner(spec, llm)

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..core.layout import TreeLayout
 from .arch import ArchSpec, arch_spec, default_capture_layers, layer_types, router_topk_ids
-from .checkpoint import check_safetensors_dir, parse_dtype
+from .checkpoint import check_safetensors_dir, load_hf_checked, parse_dtype
 from .kv_cache import StaticKVCache
 from .lean_forward import ForwardBatch, LeanForward
 
@@ -116,7 +116,7 @@ class TargetModel:
         kwargs = {"use_safetensors": True, "trust_remote_code": False}
         if spec.attn_implementation is not None:
             kwargs["attn_implementation"] = spec.attn_implementation
-        model = model_cls.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
+        model = load_hf_checked(model_cls, path, "target checkpoint", dtype=parse_dtype(dtype), **kwargs)
         return cls(model.to(device), capture_layers=capture_layers, model_impl=model_impl)
 
     def _find_routers(self) -> tuple[tuple[int, ...], list[nn.Module]]:

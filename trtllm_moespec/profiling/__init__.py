@@ -65,7 +65,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     if repeats < 3:
         raise ValueError(f"--repeats must be >= 3 for a median and a spread, got {repeats}")
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
-              policy_options={"budget": tree.max_draft_tokens}, ep=ep)
+              policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
     max_k = tree.max_draft_tokens
     limit = llm.target.max_position_embeddings
     gen_tokens = min(512, limit // 2)
