@@ -178,3 +178,16 @@ def test_sampling_params_and_prompts_name_the_bad_field(checkpoints):
             LLM(str(target), policy="ddd", **{name: value})
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         LLM(str(target), policy="ar", device="tpu")
+
+
+def test_a_stop_string_completed_by_the_last_token_still_stops(tiny_ar):
+    """A stop string completed by the token that also reaches max_tokens (or precedes an eos in the
+    same step) ends the output before it; the check used to be skipped when max_tokens ended the step."""
+    from trtllm_moespec import SamplingParams
+
+    full = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    stop = full.text.rstrip()[-3:]
+    assert stop and full.text.count(stop) == 1, "pick a prompt whose 12-token greedy tail is unique"
+    out = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert full.text.startswith(out.text) and len(out.token_ids) < len(full.token_ids)

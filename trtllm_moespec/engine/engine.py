@@ -167,22 +167,25 @@ class SpecEngine:
         return torch.where(tree.valid[0], local, 0.0)[None]
 
     def _append(self, request: Request, tokens: list[int]) -> bool:
-        """Add committed tokens, applying eos, stop strings and max_tokens; True when finished."""
+        """Add committed tokens, applying eos, max_tokens and stop strings; True when finished.
+
+        Stop strings are checked after eos / max_tokens too: a stop string completed by the step's
+        last token (or before an eos in the same step) still ends the output before it.
+        """
         for tok in tokens:
             request.output_ids.append(tok)
             if tok in request.stop_ids:
                 request.finish_reason = "stop"
-                return True
+                break
             if len(request.output_ids) >= request.max_tokens:
                 request.finish_reason = "length"
-                return True
+                break
         if request.stop_check is not None:
             cut = request.stop_check(request.output_ids)
             if cut is not None:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
-                return True
-        return False
+        return request.finish_reason is not None
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:

@@ -120,7 +120,8 @@ def expert_source_for(llm):
         paths = replace(paths, predictor=paths.predictor_head)
     if paths.predictor is None:
         return None
-    return load_predictor(None, paths, llm.target)
+    drafter = getattr(llm.engine.draft_source, "drafter", None)  # the loaded EAGLE-3 drafter (a head must match it)
+    return load_predictor(None, paths, llm.target, drafter if llm.engine.draft_source.name == "eagle3" else None)
 
 
 def record(llm, prompts: list[list[int]], params: list, meta: dict, keep_hidden: bool = True, progress=None):
