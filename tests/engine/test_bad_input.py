@@ -114,14 +114,18 @@ def test_stream_holds_back_incomplete_characters(tiny_ar):
 
 
 def test_chat_on_moespec_tiny(tiny_ar):
-    """(case chat-tiny) moespec-tiny has a chat template (messages as Python comments);
-    (case chat-bad-messages) malformed messages are one clear error."""
-    out = tiny_ar.chat([{"role": "user", "content": "write fib"}], SamplingParams(max_tokens=3))
+    """(case chat-tiny) moespec-tiny ships no chat template (it is not chat-tuned): chat() says so, and
+    works with an explicit template; (case chat-bad-messages) malformed messages are one clear error."""
+    messages = [{"role": "user", "content": "write fib"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        tiny_ar.chat(messages)
+    template = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:"
+    out = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=template)
     assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
     assert len(out.token_ids) == 3
     for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
         with pytest.raises(ValueError, match="list of"):
-            tiny_ar.chat(bad)
+            tiny_ar.chat(bad, chat_template=template)
 
 
 def test_a_foreign_drafter_is_not_paired_with_the_shipped_head(tmp_path):

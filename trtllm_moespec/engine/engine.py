@@ -17,6 +17,7 @@ import torch
 
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout
+from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
@@ -52,7 +53,8 @@ class SpecEngine:
     """Runs requests through draft -> select -> verify -> commit on one target."""
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
-                 predictor=None, selector: Callable | None = None, values: ValueModel | None = None):
+                 predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
+                 placement: ExpertPlacement | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
@@ -60,6 +62,7 @@ class SpecEngine:
         self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
         self.selector = selector  # optional device op replacing policy.select (same contract)
         self.values = values  # node values for the cost-aware policies (None = raw path scores)
+        self.placement = placement  # expert parallelism: which rank holds each expert (stats per rank)
 
     # ------------------------------------------------------------------ public
     def run(self, request: Request) -> Iterator[list[int]]:
@@ -141,7 +144,7 @@ class SpecEngine:
             committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
             target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
-            predictor_hits=hits, predictor_total=checked,
+            predictor_hits=hits, predictor_total=checked, **_per_rank_stats(out, self.placement),
         ))
         return done
 
@@ -192,6 +195,15 @@ def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
     onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
     return float(onehot.sum(1).float().mean())
+
+
+def _per_rank_stats(out: TargetOutput, placement: ExpertPlacement | None) -> dict:
+    """Under EP: distinct experts each rank computed (mean over MoE layers) and U_max per layer."""
+    if placement is None:
+        return {}
+    counts = unique_per_rank_per_layer(out.expert_ids[0], placement).float()  # [N, L]
+    return {"unique_experts_per_rank": tuple(counts.mean(1).tolist()),
+            "busiest_rank_experts_per_layer": float(counts.max(0).values.mean())}
 
 
 def _predictor_hits(experts: ExpertSets | None, out: TargetOutput, layout: TreeLayout,

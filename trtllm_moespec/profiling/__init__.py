@@ -9,6 +9,10 @@ rounds. The same timed steps give (k, U, seconds) samples, U = unique (layer,
 expert) pairs the verify forward woke (root included), for ExpertCostModel.fit.
 The stored C(k) is the pool-adjacent-violators (non-decreasing) fit of the
 medians; the raw medians, spreads (IQR), mean U and all samples are kept beside it.
+
+Expert parallelism: `mpirun -n N moespec profile --ep N ...` profiles the N-rank engine
+and fits C(k, U_max), U_max = each MoE layer's busiest rank summed over layers
+(core/placement.py), the U that EP-aware joint / ecospec price.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def default_prompts(num: int = 3) -> list[str]:
 
 def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, tree=None, device: str = "cpu",
                   dtype: str = "float32", repeats: int = 20, warmup_rounds: int = 2, prompts: list[str] | None = None,
-                  out: str | Path | None = None, seed: int = 0, show_progress: bool = True) -> ProfileResult:
+                  out: str | Path | None = None, seed: int = 0, show_progress: bool = True, ep=None) -> ProfileResult:
     """Measure, fit and save a cost profile (returns what was written)."""
     import torch
     from tqdm.auto import tqdm
@@ -61,7 +65,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     if repeats < 3:
         raise ValueError(f"--repeats must be >= 3 for a median and a spread, got {repeats}")
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
-              policy_options={"budget": tree.max_draft_tokens}, threads=None)  # --threads already applied
+              policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
     max_k = tree.max_draft_tokens
     limit = llm.target.max_position_embeddings
     gen_tokens = min(512, limit // 2)
@@ -84,7 +88,8 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
               f"median of {repeats} rounds after {warmup_rounds} warm-up rounds, non-decreasing (PAV) fit of the "
               f"medians; spread = IQR; {len(ids)} prompts, greedy; C(k, U) least squares over {len(fit_on)} of "
               f"{len(samples)} steps (Tukey-fence outliers per k dropped); "
-              f"torch threads {torch.get_num_threads()}")
+              f"torch threads {torch.get_num_threads()}"
+              + (f"; expert parallel over {ep.group.world_size} ranks, U = U_max (busiest rank per layer)" if ep else ""))
     table = CostTable(monotone(curve.median_s), model_id=llm.paths.model_id, device=device_name(llm.device),
                       dtype=dtype, tree=tree.as_tuple(), method=method, date=dt.datetime.now().isoformat(timespec="seconds"),
                       spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model)
@@ -138,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
     p.add_argument("--prompts", nargs="+", default=None, help="prompt texts (default: one per bundled dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the k interleaving order")
+    p.add_argument("--ep", type=int, default=None, help="expert parallelism: `mpirun -n N moespec profile --ep N` "
+                   "fits C(k, U_max)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a shared CPU more "
                    "threads stall in OpenMP barriers; 0 = torch's default). Bench with the same setting.")
     return p
@@ -158,12 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.config import TreeConfig
 
     args = build_parser().parse_args(argv)
+
+    def run(ep=None) -> int:
+        result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
+                               args.repeats, args.warmup, args.prompts, args.out, args.seed, ep=ep)
+        print(format_table(result))
+        return 0
+
     try:
         set_threads(args.threads)
-        result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
-                               args.repeats, args.warmup, args.prompts, args.out, args.seed)
+        from ..parallel.run import launch_ep_size, run_expert_parallel
+
+        if launch_ep_size(args.ep, args.model) > 1:
+            return run_expert_parallel(args.device, max(args.threads, 1), run)
+        return run()
     except (ValueError, FileNotFoundError) as e:
         print(f"moespec profile: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    return 0
