@@ -17,13 +17,14 @@ import torch
 
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout
-from ..core.policies import Selection, SelectionPolicy
+from ..core.policies import ArPolicy, Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, NoDraft
+from .guard import Guard, GuardState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -51,13 +52,14 @@ class SpecEngine:
     """Runs requests through draft -> select -> verify -> commit on one target."""
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
-                 predictor=None, selector: Callable | None = None):
+                 predictor=None, selector: Callable | None = None, guard: Guard | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
         self.draft_source = draft_source if (draft_source is not None and policy.drafts) else NoDraft()
         self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
         self.selector = selector  # optional device op replacing policy.select (same contract)
+        self.guard = guard if policy.drafts else None  # speculate-or-not before each step (guard.py)
 
     # ------------------------------------------------------------------ public
     def run(self, request: Request) -> Iterator[list[int]]:
@@ -74,9 +76,10 @@ class SpecEngine:
             yield request.output_ids[-1:]
             return
         yield [root]
+        guard = self.guard.start() if self.guard is not None else None
         while True:
             before = len(request.output_ids)
-            done = self._step(request, cache, state)
+            done = self._step(request, cache, state, guard)
             yield request.output_ids[before:]
             if done:
                 return
@@ -89,25 +92,27 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, state) -> bool:
+    def _step(self, request: Request, cache, state, guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
         root = context[-1]
         device = self.target.device
+        speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
+        source = self.draft_source if speculate else NoDraft()
 
         t0 = time.perf_counter()
-        draft = self.draft_source.draft(state, context, device)
+        draft = source.draft(state, context, device)
         remaining = request.max_tokens - len(request.output_ids)
         tree = limit_depth(draft.tree, remaining - 1)  # deeper nodes could never be emitted
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        experts, root_bits = self._predict(context, tree, draft, cache)
+        experts, root_bits = self._predict(context, tree, draft, cache) if speculate else (None, None)
         t_pred = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
-        selection = self._select(tree, experts, root_bits, target_scores)
+        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target and speculate else None
+        selection = self._select(tree, experts, root_bits, target_scores) if speculate else _PLAIN.select(tree)
         layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
         t_select = time.perf_counter() - t0
 
@@ -121,7 +126,10 @@ class SpecEngine:
         self.target.commit(cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.draft_source.commit(state, result, out)  # a drafter forward over the committed tokens
+        if speculate:
+            self.draft_source.commit(state, result, out)  # a drafter forward over the committed tokens
+        else:
+            self.draft_source.defer(state, result, out)  # caught up in one forward when drafting resumes
         t_draft += time.perf_counter() - t0
 
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
@@ -132,8 +140,10 @@ class SpecEngine:
             committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
             target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
-            predictor_hits=hits, predictor_total=checked,
+            predictor_hits=hits, predictor_total=checked, speculated=speculate,
         ))
+        if guard is not None:
+            guard.observe(speculate, len(emitted), request.steps[-1].step_ms / 1e3, int(layout.num_nodes[0]))
         return done
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
@@ -171,6 +181,9 @@ class SpecEngine:
                 request.finish_reason = "stop"
                 return True
         return False
+
+
+_PLAIN = ArPolicy()  # the selection of a plain step: the root alone
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:

@@ -24,6 +24,7 @@ class StepStats:
     step_ms: float  # wall time of the whole iteration
     predictor_hits: int = 0  # predicted (layer, expert) pairs that the target really used, accepted nodes
     predictor_total: int = 0  # predicted pairs checked
+    speculated: bool = True  # False: a plain step chosen by the speculate-or-not rule (nothing drafted)
 
 
 @dataclass(frozen=True)

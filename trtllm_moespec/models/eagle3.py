@@ -297,11 +297,13 @@ class Eagle3Drafter(nn.Module):
         self.extend(cache, emitted[None].to(self.lm_head.weight.device), target_hidden[:, pos])
 
 
-    def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None):
-        """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft."""
+    def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None,
+                   stop_rule=None):
+        """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft.
+        stop_rule(tree, frontier [1, F], num_forwards) -> [1] bool ends drafting early (optional)."""
         from .eagle3_draft import draft_eagle3_tree
 
-        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold)
+        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, stop_rule)
 
 
 def causal_mask(past_len: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -7,7 +7,8 @@ forward that proposed v) at position `S - 1 + depth(v)`, attending to the whole
 drafter prefix, to its already-drafted ancestors and to itself (a tree mask). Its
 top-`topk` children are added via `core.grow_tree`, which keeps every child in the
 tree and makes the top-`topk` by score the next frontier. DDD's dynamic-depth rule
-(`core.ddd_should_stop`) may end drafting early. Tree keys are kept outside the
+(`core.ddd_should_stop`) or a cost-aware `stop_rule` (`core.drafting.DraftStopRule`)
+may end drafting early. Tree keys are kept outside the
 drafter cache, so drafting never changes the cache: it always holds exactly the
 committed tokens.
 """
@@ -15,7 +16,7 @@ committed tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -42,6 +43,7 @@ def draft_eagle3_tree(
     steps: int,
     topk: int,
     ddd_threshold: float | None = None,
+    stop_rule: Callable[[DraftTree, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> Eagle3Draft:
     """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`."""
     if steps < 1 or topk < 1:
@@ -65,6 +67,8 @@ def draft_eagle3_tree(
             break
         if ddd_threshold is not None and bool(ddd_should_stop(tree.scores[:, f], ddd_threshold)[0]):
             break
+        if stop_rule is not None and bool(stop_rule(tree, f[None], num_forwards)[0]):
+            break  # core.drafting: another forward would not pay for itself
         mask = _frontier_mask(tree, f, drafted, S, cache.keys.dtype)
         out = drafter(
             node_hidden[:, f],
