@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 
 from .core.cost import CostTable
 from .core.policies import POLICIES, SelectionPolicy, make_policy
+from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
-from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, resolve_model
+from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, load_value_model, resolve_model
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -101,6 +102,7 @@ class LLM:
         override_profile: bool = False,
         guard: str = "auto",
         draft_stop: bool | None = None,
+        values: str = "calibrated",
     ):
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
@@ -112,7 +114,13 @@ class LLM:
             raise ValueError(f"guard must be one of {', '.join(GUARD_MODES)}, got {guard!r}")
         if draft_stop not in (None, True, False):
             raise ValueError(f"draft_stop must be None (auto), True or False, got {draft_stop!r}")
+        if values not in VALUE_KINDS:
+            raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
         self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        if values == "head" and self.paths.acceptance_head is None:
+            raise ValueError(f"values='head' needs a learned acceptance head; {self.paths.model_id} ships none "
+                             "(use values='calibrated')")
+        self.values_name = values
         if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
             # Ours reads routing off the drafter's hidden state: no extra forward per step.
             self.paths = replace(self.paths, predictor=self.paths.predictor_head)
@@ -153,8 +161,9 @@ class LLM:
 
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
         predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
+        value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
-                                 guard_obj)
+                                 value_model, guard_obj)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False

@@ -23,6 +23,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-profile", default=None, help="cost_profile.json, or roofline:H200 for an estimate")
     p.add_argument("--override-profile", action="store_true", help="use a profile made for another setting")
     p.add_argument("--predictor", default=None, help="expert predictor directory, or 'oracle' (analysis only)")
+    p.add_argument("--values", default="calibrated", choices=["raw", "calibrated", "head"],
+                   help="node values of the cost-aware policies: calibrated acceptance probability (default), the "
+                        "learned acceptance head, or raw draft path scores (ablation)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads on CPU (default 1: small models gain nothing from more, and a "
                         "shared CPU makes OpenMP barriers stall)")
@@ -43,7 +46,7 @@ def _llm_from_args(args):
 
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=TreeConfig.parse(args.tree),
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
-               drafter=args.drafter, override_profile=args.override_profile)
+               drafter=args.drafter, override_profile=args.override_profile, values=args.values)
 
 
 def cmd_generate(args) -> int:

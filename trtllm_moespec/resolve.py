@@ -18,6 +18,7 @@ from .engine.config import TreeConfig
 log = logging.getLogger(__name__)
 TINY = "moespec-tiny"
 PROFILE_NAME = "cost_profile.json"
+CALIBRATOR_NAME = "value_calibrator.json"
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ModelPaths:
     model_id: str  # what cost profiles are keyed by
     cost_profile: Path  # where the model's own profile lives (may not exist yet)
     predictor_head: Path | None = None  # our draft-head predictor shipped with the model, if any
+    calibrator: Path | None = None  # value calibrator prior (core/values.py) shipped with the model, if any
+    acceptance_head: Path | None = None  # learned acceptance head shipped with the model, if any
 
 
 def resolve_model(model: str, draft_model: str | None = None, predictor: str | None = None) -> ModelPaths:
@@ -38,18 +41,22 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
         target, draft, pred, model_id = p["target"], p["draft"], p["predictor"], TINY
         profile = p["target"].parent / PROFILE_NAME
         head = p["predictor_head"] if p["predictor_head"].is_dir() else None
+        values_dir = {"calibrator": p["calibrator"] if p["calibrator"].is_file() else None,
+                      "acceptance_head": p["acceptance_head"] if p["acceptance_head"].is_dir() else None}
     else:
         target = Path(model).expanduser()
         if not target.is_dir():
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
                                     f"only; use '{TINY}' for the embedded default)")
         draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
+        calib = target / CALIBRATOR_NAME
+        values_dir = {"calibrator": calib if calib.is_file() else None, "acceptance_head": None}
     if draft_model is not None:
         draft = _existing_dir(draft_model, "draft model")
     if predictor is not None and predictor != "oracle":
         pred = head = _existing_dir(predictor, "expert predictor")
     return ModelPaths(target, draft if draft is None or draft.is_dir() else None,
-                      pred if pred is None or pred.is_dir() else None, model_id, profile, head)
+                      pred if pred is None or pred.is_dir() else None, model_id, profile, head, **values_dir)
 
 
 def _existing_dir(path: str | Path, what: str) -> Path:
@@ -129,3 +136,24 @@ def load_predictor(predictor, paths: ModelPaths, target):
     model = ExpertPredictor.load(paths.predictor)
     model.check_target(len(target.moe_layers), target.num_experts, target.experts_per_token, target.vocab_size)
     return LearnedExperts(model.to(target.device) if hasattr(model, "to") else model, target.num_experts)
+
+
+def load_value_model(kind: str, paths: ModelPaths, target=None):
+    """The node-value model of the cost-aware policies: 'raw' (draft path scores, the ablation),
+    'calibrated' (per-depth isotonic calibration of q; the model's shipped prior, else an identity
+    prior learnt online) or 'head' (the learned acceptance head shipped with the model)."""
+    from .core.values import VALUE_KINDS, CalibratedValues, Calibrator, RawValues
+
+    if kind not in VALUE_KINDS:
+        raise ValueError(f"unknown values {kind!r}; choose one of {', '.join(VALUE_KINDS)}")
+    if kind == "raw":
+        return RawValues()
+    if kind == "calibrated":
+        prior = Calibrator.load(paths.calibrator) if paths.calibrator is not None else Calibrator()
+        return CalibratedValues(prior)
+    if paths.acceptance_head is None:
+        raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none (use "
+                         "values='calibrated')")
+    from .models.acceptance_head import load_head_values
+
+    return load_head_values(paths.acceptance_head, target)

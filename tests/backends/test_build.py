@@ -33,6 +33,15 @@ def hf_config(preset):
             "use_sliding_window": False, "sliding_window": None}
 
 
+def eagle3_config(preset, width=None):
+    """An EAGLE-3 drafter config.json (SpecForge names) for a target preset."""
+    hidden = width or preset.hidden_size
+    return {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": 4 * hidden,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 1,
+            "vocab_size": preset.vocab_size, "draft_vocab_size": 32000, "target_hidden_size": preset.hidden_size
+            if width is None else width}
+
+
 @pytest.fixture
 def dirs(tmp_path):
     def make(name, cfg):
@@ -41,9 +50,10 @@ def dirs(tmp_path):
         (d / "config.json").write_text(json.dumps(cfg))
         return d
 
-    draft = make("draft", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000})
+    drafts = {name: make(f"draft-{name}", eagle3_config(p)) for name, p in PRESETS.items()}
+    drafts["narrow"] = make("draft-narrow", eagle3_config(PRESETS["qwen3-30b-a3b"], width=256))
     ckpts = {name: make(f"ckpt-{name}", hf_config(p)) for name, p in PRESETS.items()}
-    return tmp_path, draft, ckpts
+    return tmp_path, drafts, ckpts
 
 
 def run(argv, capsys):
@@ -54,7 +64,8 @@ def run(argv, capsys):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
-    tmp, draft, ckpts = dirs
+    tmp, drafts, ckpts = dirs
+    draft = drafts[name]
     out = tmp / f"engine-{name}"
     rc, stdout, err = run(["--model", name, "--checkpoint", ckpts[name], "--draft-model", draft, "--policy", "evict",
                            "--verify-lengths", "32,4,8,16", "--max-batch-size", "6", "--out", out, "--dry-run"], capsys)
@@ -63,7 +74,7 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
     spec = load_engine_spec(out)
     assert [p.verify_length for p in spec.profiles] == [4, 8, 16, 32]
     assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
-    assert spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
+    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0rc0,<2.0.0"  # the default line: dynamic tree
     preset = PRESETS[name]
     for p in spec.profiles:
         options = yaml.safe_load((out / p.options_yaml).read_text())
@@ -87,8 +98,8 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
 
 
 def test_local_hf_directory_as_model(dirs, capsys):
-    tmp, draft, ckpts = dirs
-    rc, _, err = run(["--model", ckpts["qwen3-30b-a3b"], "--draft-model", draft, "--out", tmp / "e", "--dry-run"], capsys)
+    tmp, drafts, ckpts = dirs
+    rc, _, err = run(["--model", ckpts["qwen3-30b-a3b"], "--draft-model", drafts["qwen3-30b-a3b"], "--out", tmp / "e", "--dry-run"], capsys)
     assert rc == 0, err
     spec = load_engine_spec(tmp / "e")
     assert spec.checkpoint == str(ckpts["qwen3-30b-a3b"].resolve()) and spec.model.num_experts == 128
@@ -109,32 +120,44 @@ def test_local_hf_directory_as_model(dirs, capsys):
         (["--tp", "256", "--ep", "256"], "must divide the model's 128 experts"),
         (["--checkpoint", "{gptoss}"], "does not match preset"),
         (["--max-draft-tokens", "64"], "exceeds steps*topk=32"),
+        # issue 13: a drafter of the wrong width, the target directory given as the drafter, a bad policy
+        (["--draft-model", "{narrow}"], "target of hidden size 256"),
+        (["--draft-model", "{gptoss_draft}"], "target of hidden size 2880"),
+        (["--draft-model", "{target}"], "not an EAGLE-3 drafter config"),
+        (["--policy", "medusa"], "invalid choice"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(extra, message, dirs, capsys):
-    tmp, draft, ckpts = dirs
-    argv = {"--model": "qwen3-30b-a3b", "--checkpoint": str(ckpts["qwen3-30b-a3b"]), "--draft-model": str(draft),
+    tmp, drafts, ckpts = dirs
+    argv = {"--model": "qwen3-30b-a3b", "--checkpoint": str(ckpts["qwen3-30b-a3b"]),
+            "--draft-model": str(drafts["qwen3-30b-a3b"]),
             "--out": str(tmp / "bad")}
     for key, value in zip(extra[::2], extra[1::2]):
-        argv[key] = value.format(tmp=tmp, gptoss=ckpts["gpt-oss-20b"])
+        argv[key] = value.format(tmp=tmp, gptoss=ckpts["gpt-oss-20b"], target=ckpts["qwen3-30b-a3b"],
+                                 narrow=drafts["narrow"], gptoss_draft=drafts["gpt-oss-120b"])
+    if "--policy" in extra:  # argparse's own exit
+        with pytest.raises(SystemExit) as exc:
+            run([x for kv in argv.items() for x in kv] + ["--dry-run"], capsys)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+        return
     rc, _, err = run([x for kv in argv.items() for x in kv] + ["--dry-run"], capsys)
     assert rc == 2
-    assert message in err and err.strip().count("\n") == 0
+    assert message in err and err.strip().count("\n") == 0 and err.startswith("moespec build: error:")
     assert not (tmp / "bad" / "moespec.json").exists()
 
 
 @pytest.mark.skipif(trtllm_available(), reason="tensorrt_llm is installed: the real build path would run")
 def test_real_build_without_tensorrt_llm_exits_nonzero(dirs, capsys):
-    tmp, draft, ckpts = dirs
-    rc, _, err = run(["--model", "gpt-oss-20b", "--checkpoint", ckpts["gpt-oss-20b"], "--draft-model", draft,
+    tmp, drafts, ckpts = dirs
+    rc, _, err = run(["--model", "gpt-oss-20b", "--checkpoint", ckpts["gpt-oss-20b"], "--draft-model", drafts["gpt-oss-20b"],
                       "--out", tmp / "real"], capsys)
     assert rc == 1 and "tensorrt_llm is not importable" in err and err.strip().count("\n") == 0
     assert not (tmp / "real").exists()
 
 
 def test_real_build_needs_a_checkpoint(dirs, capsys):
-    tmp, draft, _ = dirs
-    rc, _, err = run(["--model", "gpt-oss-120b", "--draft-model", draft, "--out", tmp / "x"], capsys)
+    tmp, drafts, _ = dirs
+    rc, _, err = run(["--model", "gpt-oss-120b", "--draft-model", drafts["gpt-oss-120b"], "--out", tmp / "x"], capsys)
     assert rc == 2 and "--checkpoint" in err
 
 
@@ -169,3 +192,26 @@ def test_interpolate_costs():
     assert interpolate_costs({0: 1.0, 4: 2.0, 8: 4.0}, 8) == (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
     with pytest.raises(ValueError, match="k=0"):
         interpolate_costs({4: 1.0}, 4)
+
+
+def test_policy_ddd_and_eager_policies_and_the_1_2_line(dirs, capsys):
+    """ddd is accepted (TensorRT-LLM's worker runs eagle3 for it); coverage selects eagerly, so its
+    profiles disable CUDA graphs; --trtllm-line 1.2 writes linear profiles (1.2.x has no dynamic tree)."""
+    tmp, drafts, ckpts = dirs
+    common = ["--model", "qwen3-30b-a3b", "--checkpoint", ckpts["qwen3-30b-a3b"],
+              "--draft-model", drafts["qwen3-30b-a3b"], "--verify-lengths", "8,16", "--dry-run"]
+    assert run(common + ["--policy", "ddd", "--out", tmp / "ddd"], capsys)[0] == 0
+    main = yaml.safe_load((tmp / "ddd" / "llm_api_options.yaml").read_text())
+    assert main["cuda_graph_config"]["enable_padding"] is True
+    assert run(common + ["--policy", "coverage", "--out", tmp / "cov"], capsys)[0] == 0
+    for path in (tmp / "cov").rglob("*.yaml"):
+        assert yaml.safe_load(path.read_text())["cuda_graph_config"] is None
+    assert "cuda_graph_config: null" in (tmp / "cov" / "README.md").read_text()
+    assert run(common + ["--policy", "eagle3", "--trtllm-line", "1.2", "--out", tmp / "old"], capsys)[0] == 0
+    spec = load_engine_spec(tmp / "old")
+    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
+    for p in spec.profiles:
+        sc = yaml.safe_load((tmp / "old" / p.options_yaml).read_text())["speculative_config"]
+        assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == sc["max_total_draft_tokens"] == p.verify_length
+    assert run(common + ["--policy", "eagle3", "--topk", "1", "--steps", "16", "--max-draft-tokens", "16", "--out", tmp / "k1"], capsys)[0] == 0
+    assert load_engine_spec(tmp / "k1").mode == "chain"  # topK 1 is linear on main (_is_effective_dynamic_tree)

@@ -134,3 +134,14 @@ def test_first_mismatch_and_module_entry():
     import trtllm_moespec.bench
 
     assert benchmarks.run.main is trtllm_moespec.bench.main
+
+
+def test_values_sweep_adds_one_column_per_cost_aware_method():
+    from trtllm_moespec.bench import build_parser, resolve_methods
+
+    args = build_parser().parse_args(["--methods", "eagle3,evict,joint", "--values", "calibrated",
+                                      "--values-sweep", "raw,calibrated"])
+    specs = {s.label: s for s in resolve_methods(args)}
+    assert list(specs) == ["ar", "eagle3", "evict", "joint", "evict[values=raw]", "joint[values=raw]"]
+    assert specs["evict"].values == "calibrated" and specs["joint[values=raw]"].values == "raw"
+    assert cli_main(["bench", "--values", "bogus", "--num-prompts", "1"]) == 2

@@ -44,3 +44,17 @@ def test_greedy_equals_transformers_generate(checkpoints, references, arch, draf
         assert sum(stats.acceptance_lengths) == MAX_TOKENS - 1  # the first token comes from the prefill
         if policy == "ar":
             assert stats.verified_tokens == 0
+
+
+@pytest.mark.parametrize("values", ["raw", "calibrated"])
+@pytest.mark.parametrize("policy", ["evict", "ecospec", "joint", "coverage"])
+def test_greedy_exact_under_every_value_model(checkpoints, references, policy, values):
+    """Values only re-rank which nodes are verified: every value model keeps greedy output exact
+    (`calibrated` is also the default, covered above on both architectures and drafters)."""
+    target, draft = checkpoints["qwen3_moe"]
+    predictor = "oracle" if policy in ("ecospec", "joint") else None
+    llm = LLM(str(target), draft_model=str(draft), policy=policy, predictor=predictor, values=values)
+    assert llm.engine.values is not None and llm.engine.values.name == values
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    for i, out in enumerate(outs):
+        assert out.token_ids == references["qwen3_moe", i], f"{policy}/values={values} diverged on prompt {i}"

@@ -4,6 +4,7 @@ follow the target's exact distribution (seeded chi-square, deterministic)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -27,10 +28,12 @@ def _exact_joint(target_dir) -> dict[tuple[int, int], float]:
             for a in p1.nonzero().flatten() for p2 in [probs(PROMPT + [int(a)])] for b in p2.nonzero().flatten()}
 
 
-def test_first_tokens_match_target_distribution(checkpoints):
+@pytest.mark.parametrize("policy,values", [("eagle3", "raw"), ("evict", "calibrated")])
+def test_first_tokens_match_target_distribution(checkpoints, policy, values):
+    """eagle3 (fixed tree) and a cost-aware policy ranking on calibrated, online-updated values."""
     target, draft = checkpoints["qwen3_moe"]
     exact = _exact_joint(target)
-    llm = LLM(str(target), draft_model=str(draft), policy="eagle3")
+    llm = LLM(str(target), draft_model=str(draft), policy=policy, values=values)
     trials = 400
     counts: dict[tuple[int, int], int] = {}
     for seed in range(trials):

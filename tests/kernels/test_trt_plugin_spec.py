@@ -130,3 +130,39 @@ def test_python_plugin_source_compiles():
     # plugin.py cannot be imported here (no TensorRT-LLM); at least it must be valid Python.
     src = ROOT / "trtllm_moespec" / "backends" / "trt_plugin" / "plugin.py"
     compile(src.read_text(), str(src), "exec")
+
+
+def _plugin_imports():
+    """(module, name) for every `from tensorrt_llm... import name` in plugin.py, and its decorator call."""
+    import ast
+
+    tree = ast.parse((ROOT / "trtllm_moespec" / "backends" / "trt_plugin" / "plugin.py").read_text())
+    imports = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and node.module and node.module.startswith("tensorrt_llm") for alias in node.names]
+    decorator = next(d for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for d in node.decorator_list
+                     if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "trtllm_plugin")
+    return imports, decorator
+
+
+def test_python_plugin_imports_match_the_recorded_module_layout():
+    """Each name comes from the module that defines it (schema.TRTLLM_MODULE_LAYOUT, read from
+    TensorRT-LLM's python_plugin.py and _utils.py): convert_to_torch_tensor is in _utils."""
+    from trtllm_moespec.backends.trtllm.schema import TRTLLM_MODULE_LAYOUT
+
+    imports, _ = _plugin_imports()
+    assert ("tensorrt_llm._utils", "convert_to_torch_tensor") in imports
+    wrong = [(m, n) for m, n in imports if n not in TRTLLM_MODULE_LAYOUT.get(m, frozenset())]
+    assert wrong == [], f"imported from a module that does not define them: {wrong}"
+
+
+def test_python_plugin_registers_in_the_moespec_namespace():
+    """trtllm_plugin defaults to TensorRT-LLM's namespace; ours must be named like the native plugin's."""
+    import ast
+
+    from trtllm_moespec.backends.trt_plugin.spec import PLUGIN_NAMESPACE
+
+    _, decorator = _plugin_imports()
+    keywords = {k.arg: k.value for k in decorator.keywords}
+    assert isinstance(keywords.get("plugin_namespace"), ast.Name) and keywords["plugin_namespace"].id == "PLUGIN_NAMESPACE"
+    native = (ROOT / "plugins" / "trt" / "MoESpecTreeSelectPlugin.cpp").read_text()
+    assert f'kNamespace = "{PLUGIN_NAMESPACE}"' in native

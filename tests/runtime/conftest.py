@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.backends.test_build import hf_config
+from tests.backends.test_build import eagle3_config, hf_config
 from trtllm_moespec.backends.trtllm import build
 from trtllm_moespec.backends.trtllm.presets import PRESETS
 
@@ -13,7 +13,7 @@ from trtllm_moespec.backends.trtllm.presets import PRESETS
 def engine_dir(tmp_path):
     """A dry-run engine for qwen3-30b-a3b with stand-in checkpoint directories (config.json only)."""
     ckpt, draft = tmp_path / "ckpt", tmp_path / "draft"
-    for d, cfg in ((ckpt, hf_config(PRESETS["qwen3-30b-a3b"])), (draft, {"architectures": ["LlamaForCausalLMEagle3"]})):
+    for d, cfg in ((ckpt, hf_config(PRESETS["qwen3-30b-a3b"])), (draft, eagle3_config(PRESETS["qwen3-30b-a3b"]))):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "engine"

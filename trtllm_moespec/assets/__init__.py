@@ -9,12 +9,14 @@ TINY_DIR = Path(__file__).resolve().parent / "moespec-tiny"
 
 def tiny_model_paths() -> dict[str, Path]:
     """Paths of the embedded default: keys `target`, `draft`, `predictor` (EcoSpec's standalone
-    predictor) and `predictor_head` (ours: a head on the drafter's hidden state).
+    predictor), `predictor_head` (ours: a head on the drafter's hidden state), `calibrator` (the node-value
+    calibrator prior) and `acceptance_head` (the learned acceptance head).
 
     Raises FileNotFoundError when the package was installed without its assets.
     """
     paths = {"target": TINY_DIR / "target", "draft": TINY_DIR / "eagle3", "predictor": TINY_DIR / "predictor",
-             "predictor_head": TINY_DIR / "predictor-head"}
+             "predictor_head": TINY_DIR / "predictor-head", "calibrator": TINY_DIR / "values" / "calibrator.json",
+             "acceptance_head": TINY_DIR / "acceptance-head"}
     if not (paths["target"] / "config.json").is_file():
         raise FileNotFoundError(f"the embedded moespec-tiny target is missing at {paths['target']}; reinstall the "
                                 "package or rebuild it with `python build_scripts/train_tiny.py`")

@@ -18,7 +18,7 @@ import sys
 import time
 
 from .datasets import DATASETS, load_prompts, tokenization_note
-from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec
+from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec, values_specs
 from .runner import BenchState, LosslessMismatch, run_bench, warm_up
 
 __all__ = ["main"]
@@ -61,6 +61,10 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--guard-ablation", type=_csv(str), default=(),
                    help="ablation: these cost-aware policies again without the speculate-or-not rule and the "
                         "drafting stop rule, e.g. evict,joint")
+    p.add_argument("--values", default="calibrated", help="node values of the cost-aware methods (evict, ecospec, "
+                   "joint, coverage): calibrated (default), head, or raw (the ablation)")
+    p.add_argument("--values-sweep", type=_csv(str), default=(), help="ablation: extra columns per cost-aware "
+                   "method with these value models, e.g. raw,calibrated,head")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as `moespec profile`; "
                    "0 = torch's default)")
     p.add_argument("--no-progress", action="store_true")
@@ -72,7 +76,7 @@ def resolve_methods(args) -> list[MethodSpec]:
     specs = [method_spec(n, args.predictor) for n in names]
     specs += ablation_specs(args.ecospec_global, tuple(args.gamma_sweep), args.predictor_ablation,
                             tuple(args.rho_sweep), args.predictor, tuple(args.guard_ablation))
-    specs = [s for s in specs if s.label != "ar"]
+    specs = values_specs([s for s in specs if s.label != "ar"], args.values, tuple(args.values_sweep))
     return [method_spec("ar")] + specs  # ar first: the reference of every prompt group
 
 
@@ -160,7 +164,7 @@ def _config(args, tree, specs, runners) -> dict:
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
             "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
-                         "predictor": s.predictor, "analysis_only": s.analysis_only,
+                         "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values,
                          "llm_options": dict(s.llm_options)} for s in specs]}
 
 

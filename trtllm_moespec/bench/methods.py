@@ -25,6 +25,7 @@ class MethodSpec:
     policy_options: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs
     predictor: str | None = None  # None = the model's own predictor; "oracle" = true routing (analysis)
     analysis_only: bool = False  # an upper bound, not a deployable method (its step runs extra target forwards)
+    values: str = "calibrated"  # node values of the cost-aware policies (core/values.py); "raw" = ablation
     llm_options: tuple[tuple[str, object], ...] = ()  # extra LLM(...) keywords, e.g. (("guard", "off"),)
 
     @property
@@ -96,11 +97,31 @@ class MethodRunner:
         return Generation(list(request.output_ids), request.stats(), list(request.steps))
 
 
+VALUE_POLICIES = ("evict", "ecospec", "joint", "coverage")  # the policies that rank on node values
+
+
+def values_specs(specs: list[MethodSpec], default: str, sweep: tuple[str, ...] = ()) -> list[MethodSpec]:
+    """Apply the default value model to the cost-aware methods, and add one column per swept value
+    model (label `joint[values=raw]`) for each cost-aware base method."""
+    from dataclasses import replace
+
+    from ..core.values import VALUE_KINDS
+
+    for v in (default, *sweep):
+        if v not in VALUE_KINDS:
+            raise ValueError(f"unknown values {v!r}; choose from {', '.join(VALUE_KINDS)}")
+    out = [replace(s, values=default) if s.policy in VALUE_POLICIES else s for s in specs]
+    for s in specs:
+        if s.policy in VALUE_POLICIES and s.label == s.policy:
+            out += [replace(s, label=f"{s.label}[values={v}]", values=v) for v in sweep if v != default]
+    return out
+
+
 def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, device: str, dtype: str,
                  cost_profile: str | None = None) -> MethodRunner:
     from ..api import LLM
 
     llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
               cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
-              policy_options=spec.options or None, **dict(spec.llm_options))
+              policy_options=spec.options or None, values=spec.values, **dict(spec.llm_options))
     return MethodRunner(spec, llm)

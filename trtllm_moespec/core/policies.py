@@ -14,6 +14,12 @@ the verifier's random numbers, so verification stays lossless.
             utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
   coverage  smallest top prefix with S_k / S_K >= rho
   oracle    analysis only: orders by the true acceptance probability of each path
+
+The cost-aware policies (evict, ecospec, joint, coverage: `uses_values`) are given
+trees whose scores are node *values* (core/values.py: the estimated probability that
+the target accepts the node given its path); with `values="raw"` those are the raw
+draft path scores. Either way the scores are products along the path, so every rule
+below reads "score" and stays parent-closed.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class SelectionPolicy(ABC):
     needs_experts: ClassVar[bool] = False  # requires per-node predicted expert sets
     needs_target: ClassVar[bool] = False  # requires target acceptance probabilities (oracle)
     drafts: ClassVar[bool] = True  # False only for plain decoding
+    # Cost-aware policies rank on node values (core/values.py): the engine hands them a tree whose
+    # scores are the value model's estimated acceptance probabilities instead of raw path scores.
+    uses_values: ClassVar[bool] = False
 
     @abstractmethod
     def select(
@@ -106,6 +115,7 @@ class EvictPolicy(SelectionPolicy):
     cost_table: CostTable
     budget: int | None = None  # cap on verified nodes (e.g. the largest captured verify length)
     name: ClassVar[str] = "evict"
+    uses_values: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost_table, CostTable):
@@ -131,6 +141,7 @@ class CoveragePolicy(SelectionPolicy):
     rho: float = 0.9
     budget: int = 32
     name: ClassVar[str] = "coverage"
+    uses_values: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rho <= 1.0:
@@ -154,6 +165,7 @@ class EcoSpecPolicy(SelectionPolicy):
     eps: float = 1e-3
     global_cost: bool = False  # ablation: static |E_path| instead of the marginal cost
     name: ClassVar[str] = "ecospec"
+    uses_values: ClassVar[bool] = True
     needs_experts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -175,6 +187,7 @@ class JointPolicy(SelectionPolicy):
     cost_model: ExpertCostModel
     budget: int = 32  # cap on verified nodes
     name: ClassVar[str] = "joint"
+    uses_values: ClassVar[bool] = True
     needs_experts: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ so one loaded model can serve many requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -57,7 +57,10 @@ class Eagle3Source:
 
     def draft(self, state: "Eagle3State", context: list[int], device: torch.device) -> Draft:
         self._catch_up(state)
-        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, self.stop_rule)
+        rule = self.stop_rule
+        if rule is not None and state.node_values is not None:
+            rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
+        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, rule)
         return Draft(out.tree, out.node_hidden)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
@@ -88,6 +91,7 @@ class Eagle3State:
     cache: Any  # models.eagle3.Eagle3Cache
     pending_ids: list[torch.Tensor] = field(default_factory=list)  # [1] bonus token of each deferred plain step
     pending_hidden: list[torch.Tensor] = field(default_factory=list)  # [1, 3H] target capture hidden at its root
+    node_values: Callable[[DraftTree], torch.Tensor] | None = None  # the request's node values, for the stop rule
 
 
 class NgramSource:

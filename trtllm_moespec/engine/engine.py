@@ -20,10 +20,11 @@ from ..core.layout import TreeLayout, build_layout
 from ..core.policies import ArPolicy, Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
+from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
-from .drafters import Draft, NoDraft
+from .drafters import Draft, Eagle3State, NoDraft
 from .guard import Guard, GuardState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
@@ -52,13 +53,15 @@ class SpecEngine:
     """Runs requests through draft -> select -> verify -> commit on one target."""
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
-                 predictor=None, selector: Callable | None = None, guard: Guard | None = None):
+                 predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
+                 guard: Guard | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
         self.draft_source = draft_source if (draft_source is not None and policy.drafts) else NoDraft()
         self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
         self.selector = selector  # optional device op replacing policy.select (same contract)
+        self.values = values  # node values for the cost-aware policies (None = raw path scores)
         self.guard = guard if policy.drafts else None  # speculate-or-not before each step (guard.py)
 
     # ------------------------------------------------------------------ public
@@ -76,10 +79,13 @@ class SpecEngine:
             yield request.output_ids[-1:]
             return
         yield [root]
+        values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
         guard = self.guard.start() if self.guard is not None else None
+        if values is not None and isinstance(state, Eagle3State) and self.values.name != "head":
+            state.node_values = lambda tree: values.values(tree)  # the drafting stop rule ranks on the same values
         while True:
             before = len(request.output_ids)
-            done = self._step(request, cache, state, guard)
+            done = self._step(request, cache, state, values, guard)
             yield request.output_ids[before:]
             if done:
                 return
@@ -92,7 +98,8 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, state, guard: GuardState | None = None) -> bool:
+    def _step(self, request: Request, cache, state, values: RequestValues | None = None,
+              guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
         root = context[-1]
@@ -112,7 +119,9 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target and speculate else None
-        selection = self._select(tree, experts, root_bits, target_scores) if speculate else _PLAIN.select(tree)
+        # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None and speculate else tree
+        selection = self._select(valued, experts, root_bits, target_scores) if speculate else _PLAIN.select(tree)
         layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
         t_select = time.perf_counter() - t0
 
@@ -122,6 +131,10 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
+        if values is not None and speculate:  # the step's own outcome updates the request's value model (no extra forward)
+            t0 = time.perf_counter()
+            values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
+            t_select += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.target.commit(cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0

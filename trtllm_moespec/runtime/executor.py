@@ -1,8 +1,11 @@
 """`Executor(engine_dir)`: run an engine directory on TensorRT-LLM or on our PyTorch engine.
 
 The executor reads `moespec.json` and picks a backend:
-- "tensorrt_llm" when tensorrt_llm is importable: installs the MoESpec worker into
-  TensorRT-LLM (tree mode) and builds `tensorrt_llm.LLM` from the engine's YAML;
+- "tensorrt_llm" when tensorrt_llm is importable: checks the version policy, makes
+  TensorRT-LLM build the model in this process (one GPU) or on MPI ranks that all
+  installed the worker (backends/trtllm/reach.py), installs the MoESpec worker (tree
+  mode), builds `tensorrt_llm.LLM` from the engine's YAML and checks that TensorRT-LLM
+  kept the profile's draft sizes;
 - "pytorch" otherwise: `trtllm_moespec.LLM` with the same checkpoints, policy,
   tree, cost profile and predictor.
 It logs a warning naming the backend that runs. `generate` takes our
@@ -19,7 +22,7 @@ from typing import Any, Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
 from ..backends.trtllm.version import trtllm_available
-from ..backends.trtllm.worker import TREE_ONLY_POLICIES
+from ..backends.trtllm.reach import worker_policy as trtllm_worker_policy  # noqa: F401 (re-exported)
 
 log = logging.getLogger("trtllm_moespec.runtime")
 
@@ -51,16 +54,6 @@ def pytorch_llm_kwargs(spec: EngineSpec, engine_dir: Path, device: str | None, d
         "cost_profile": str(engine_dir / spec.cost_profile) if spec.cost_profile else None,
         "predictor": spec.predictor,
     }
-
-
-def trtllm_worker_policy(spec: EngineSpec) -> str:
-    """The policy the TensorRT-LLM worker runs for this engine (expert-aware ones degrade)."""
-    if spec.policy in TREE_ONLY_POLICIES and (spec.policy != "evict" or spec.cost_profile):
-        return spec.policy
-    fallback = "evict" if spec.cost_profile else "eagle3"
-    log.warning("policy %s cannot run inside the TensorRT-LLM worker (no per-node expert predictions or no cost "
-                "profile there); using %s on TensorRT-LLM", spec.policy, fallback)
-    return fallback
 
 
 @dataclass(frozen=True)
@@ -103,26 +96,33 @@ class _PytorchBackend:
 
 
 class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines)
-    def __init__(self, spec: EngineSpec, engine_dir: Path, profile: int | None, mpi_session: Any = None):
+    def __init__(self, spec: EngineSpec, engine_dir: Path, profile: int | None, mpi_session: Any = None,
+                 world_size: int = 1):
         import yaml
         from tensorrt_llm import LLM
         from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
-        from ..backends.trtllm.worker import WorkerSettings, install
+        from ..backends.trtllm.reach import install_for_engine, prepare_process_model
+        from ..backends.trtllm.version import check_effective_draft_tokens
 
         if spec.checkpoint is None:
             raise ValueError(f"{engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
-        if spec.mode == "tree":
-            cost = str(engine_dir / spec.cost_profile) if spec.cost_profile else None
-            install(WorkerSettings(policy=trtllm_worker_policy(spec), cost_profile=cost))
-        else:
+        prepare_process_model(world_size, spec.parallel.world_size)
+        install_for_engine(spec, engine_dir)
+        if spec.mode == "chain":
             log.warning("chain mode: TensorRT-LLM verifies the whole linear draft of the chosen profile")
-        options_path = spec.llm_api_options if profile is None else spec.profile(profile).options_yaml
+        chosen = spec.profiles[-1] if profile is None else spec.profile(profile)
+        options_path = spec.llm_api_options if profile is None else chosen.options_yaml
         options = yaml.safe_load((engine_dir / options_path).read_text())
         args = update_llm_args_with_extra_dict({"model": spec.checkpoint}, options)
         if mpi_session is not None:
             args["_mpi_session"] = mpi_session
         self.llm = LLM(**args)
+        effective = getattr(getattr(self.llm, "args", None), "speculative_config", None)
+        if effective is None:
+            log.warning("cannot read the LLM's effective speculative_config; draft sizes not checked")
+        else:
+            check_effective_draft_tokens(effective, chosen.verify_length, chosen.max_draft_len)
 
     def generate(self, prompts: Sequence[str], params: Any) -> list[ExecutorOutput]:
         from tensorrt_llm import SamplingParams as TrtllmSamplingParams
@@ -149,14 +149,15 @@ class Executor:
     """Run an engine directory; `generate(prompts, SamplingParams)` like `trtllm_moespec.LLM`."""
 
     def __init__(self, engine_dir: str | Path, backend: str = "auto", *, device: str | None = None,
-                 dtype: str | None = None, profile: int | None = None, mpi_session: Any = None):
+                 dtype: str | None = None, profile: int | None = None, mpi_session: Any = None,
+                 world_size: int = 1):
         self.engine_dir = Path(engine_dir)
         self.spec = load_engine_spec(self.engine_dir)
         self.backend = choose_backend(backend, trtllm_available())
         if self.backend == "tensorrt_llm":
             log.warning("MoESpec executor: running %s on TensorRT-LLM (policy %s, %s mode)",
                         self.engine_dir, self.spec.policy, self.spec.mode)
-            self._impl = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session)
+            self._impl = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")

@@ -1,11 +1,14 @@
 """Multi-process entry point: `mpirun -n N python -m trtllm_moespec.runtime.launch --engine-dir E ...`.
 
-With tensorrt_llm importable, rank 0 builds the Executor on TensorRT-LLM with an
-MPI session over COMM_WORLD (the tensor/expert-parallel sizes come from the engine
-directory; the world size must equal tp * pp) and the other ranks serve as its
-workers. Without tensorrt_llm, rank 0 runs our PyTorch engine alone and every other
+With tensorrt_llm importable, every rank first installs the MoESpec worker
+(backends/trtllm/reach.py: a patch made on rank 0 does not reach the others); then
+rank 0 builds the Executor on TensorRT-LLM with an MPI session over COMM_WORLD (the
+tensor/expert-parallel sizes come from the engine directory; the world size must
+equal tp * pp) and the other ranks serve `MPICommExecutor`, as TensorRT-LLM's own
+llmapi Triton model does. Without tensorrt_llm, rank 0 runs our PyTorch engine alone and every other
 rank exits at once with a message: the multi-rank PyTorch engine is a later issue.
-`--plan-only` prints what each rank would do and exits (used by the tests).
+`--plan-only` prints what each rank would do (with TensorRT-LLM: after installing,
+which worker class its `get_spec_worker` would build for the main profile) and exits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
@@ -75,6 +79,21 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def install_on_rank(spec: EngineSpec, engine_dir: str, rank: int) -> str:
+    """Install the worker in this rank's process; returns the worker class it would build (one line)."""
+    import yaml
+
+    from ..backends.trtllm.reach import PlannedSpecConfig, install_for_engine
+
+    record = install_for_engine(spec, engine_dir)
+    if record is None:
+        return f"rank {rank}: worker class TensorRT-LLM linear EAGLE-3 worker (chain mode)"
+    from ..backends.trtllm.worker import installed_worker_name
+
+    options = yaml.safe_load((Path(engine_dir) / spec.llm_api_options).read_text())
+    return f"rank {rank}: worker class {installed_worker_name(PlannedSpecConfig(options))}"
+
+
 def _serve_as_trtllm_worker() -> None:  # GPU machines only
     from mpi4py.futures import MPICommExecutor
     from mpi4py.MPI import COMM_WORLD
@@ -98,7 +117,8 @@ def _run_leader(args: argparse.Namespace, backend: str, world_size: int) -> None
     from .executor import Executor
 
     session = _trtllm_mpi_session(world_size) if backend == "tensorrt_llm" else None
-    executor = Executor(args.engine_dir, backend, device=args.device, dtype=args.dtype, mpi_session=session)
+    executor = Executor(args.engine_dir, backend, device=args.device, dtype=args.dtype, mpi_session=session,
+                        world_size=world_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
@@ -122,7 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rank {rank}: error: {e}", file=sys.stderr)
         return 2
     print(plan.message, file=sys.stderr if plan.role == "exit" else sys.stdout, flush=True)
-    if args.plan_only or plan.role == "exit":
+    if plan.role == "exit":
+        return 0
+    if backend == "tensorrt_llm" and (args.plan_only or plan.role == "worker"):
+        try:
+            print(install_on_rank(spec, args.engine_dir, rank), flush=True)
+        except (ValueError, RuntimeError) as e:
+            print(f"rank {rank}: error: {e}", file=sys.stderr)
+            return 2
+    if args.plan_only:
         return 0
     if plan.role == "worker":
         _serve_as_trtllm_worker()

@@ -113,7 +113,10 @@ def write_triton_repo(engine_dir: Path, out: Path, name: str = "moespec", backen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = add_triton_repo_arguments(argparse.ArgumentParser(prog="moespec triton-repo"))
+    parser = add_triton_repo_arguments(argparse.ArgumentParser(
+        prog="moespec triton-repo",
+        description="Write a Triton Inference Server model repository (python backend) that serves an engine "
+                    "directory through trtllm_moespec.runtime.Executor."))
     return triton_repo(parser.parse_args(argv))
 
 
@@ -123,7 +126,7 @@ def triton_repo(args: argparse.Namespace) -> int:
         model_dir = write_triton_repo(Path(args.engine_dir), Path(args.out), args.model_name, args.backend,
                                       args.device, args.dtype, args.decoupled)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"moespec triton-repo: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote Triton model repository {args.out} (model {model_dir.name}); the real server has not run it here")
     return 0

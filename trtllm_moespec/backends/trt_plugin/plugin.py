@@ -9,12 +9,14 @@ Shape/dtype logic and attribute checks live in spec.py, where they are tested.
 from typing import Sequence
 
 import torch
-from tensorrt_llm.python_plugin import (PluginBase, ShapeExpr, SymTensor, TensorWrapper, convert_to_torch_tensor,
-                                        trtllm_plugin)
+# Module layout as read (schema.TRTLLM_MODULE_LAYOUT, tested against this file): python_plugin
+# defines the plugin classes; convert_to_torch_tensor and TensorWrapper live in _utils.
+from tensorrt_llm._utils import TensorWrapper, convert_to_torch_tensor
+from tensorrt_llm.python_plugin import PluginBase, ShapeExpr, SymTensor, trtllm_plugin
 
 from ...kernels.spec import check_inputs, parse_mode
 from ...kernels.triton_select import select_tree_triton
-from .spec import OUTPUT_NAMES, PLUGIN_NAME, PLUGIN_VERSION, PluginAttrs, output_dtypes, output_shapes
+from .spec import OUTPUT_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginAttrs, output_dtypes, output_shapes
 
 _TORCH_NAMES = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool"}
 
@@ -27,7 +29,10 @@ def _dtype_name(dtype) -> str:
 
 
 # No `from __future__ import annotations` here: trtllm_plugin inspects real annotations.
-@trtllm_plugin(PLUGIN_NAME, plugin_version=PLUGIN_VERSION, plugin_num_outputs=len(OUTPUT_NAMES))
+# trtllm_plugin's namespace defaults to TensorRT-LLM's own (python_plugin.py @ 18b5fac4): name ours
+# explicitly so both plugin routes register as moespec::MoESpecTreeSelect.
+@trtllm_plugin(PLUGIN_NAME, plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE,
+               plugin_num_outputs=len(OUTPUT_NAMES))
 class MoESpecTreeSelectPlugin(PluginBase):
     def __init__(self, mode, budget: int, c0: float = 0.0, c_tok: float = 0.0, c_exp: float = 0.0,
                  eps: float = 1e-3):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.tree import DraftTree, score_order
+from ...core.tree import DraftTree
 
 
 def history_size(topk: int, max_draft_len: int) -> int:
@@ -123,6 +123,22 @@ class TrtllmDraftSelection:
     num_selected: torch.Tensor  # [B] int64 nodes chosen by the policy; the other N - k are padding
 
 
+def device_score_order(tree: DraftTree) -> torch.Tensor:
+    """[B, N] node idx by (valid first, score desc, depth asc, index asc), on the tree's device.
+
+    The same order as core.tree.score_order, computed with three stable device sorts
+    (least significant key first) instead of a host lexsort, so it can run inside a
+    captured CUDA graph.
+    """
+    B, N = tree.token_ids.shape
+    order = torch.arange(N, device=tree.token_ids.device).expand(B, N)
+    neg_score = torch.where(tree.valid, -tree.log_scores.double(), torch.full_like(tree.log_scores, float("inf"), dtype=torch.float64))
+    for key in (tree.depth, neg_score, (~tree.valid).to(torch.int8)):
+        position = key.gather(1, order).sort(dim=1, stable=True).indices
+        order = order.gather(1, position)
+    return order
+
+
 def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length: int, checks: bool = True) -> torch.Tensor:
     """[B, N] int64: the selected nodes, then the best unselected nodes by score, N = verify_length.
 
@@ -143,7 +159,7 @@ def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length:
     selected = torch.zeros(B, M + 1, dtype=torch.bool, device=node_idx.device)
     selected.scatter_(1, torch.where(chosen, node_idx, M), True)
     selected = selected[:, :M]
-    order = score_order(tree)  # [B, M]
+    order = device_score_order(tree)  # [B, M]
     unselected_first = (~selected).gather(1, order).to(torch.int8)
     order = order.gather(1, unselected_first.argsort(dim=1, stable=True))
     return order[:, :verify_length]

@@ -1,6 +1,6 @@
 """`moespec build`: write an engine directory for TensorRT-LLM's PyTorch backend.
 
-    moespec build --model gpt-oss-120b --draft-model DIR --checkpoint DIR --policy joint \\
+    moespec build --model gpt-oss-120b --checkpoint DIR --draft-model DIR --policy joint \\
         --tp 8 --ep 8 --max-batch-size 8 --verify-lengths 4,8,16,32 --out engines/gpt-oss-120b
 
 Writes profiles/verify_<v>.yaml (one extra_llm_api_options per verify length),
@@ -38,8 +38,8 @@ from .config import (
     parse_verify_lengths,
 )
 from .presets import PRESETS, ModelPreset, TreeDefaults, check_checkpoint_matches, load_hf_config, resolve_model
-from .schema import SUPPORTED_TRTLLM_RANGE
-from .version import trtllm_available
+from .selection import EAGER_POLICIES
+from .version import TRTLLM_LINES, line_range, trtllm_available
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_TRTLLM = 1
@@ -64,6 +64,9 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--max-draft-tokens", type=int, default=None, help="largest verified node count (default 32)")
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--predictor", default=None, help="expert predictor checkpoint (for ecospec/joint)")
+    parser.add_argument("--trtllm-line", default="dynamic-tree", choices=sorted(TRTLLM_LINES),
+                        help="TensorRT-LLM line to target: 'dynamic-tree' (a release or commit with PR #13081: tree "
+                             "profiles, our selection inside TensorRT-LLM) or '1.2' (1.2.x: linear EAGLE-3 profiles)")
     parser.add_argument("--out", required=True, help="engine directory to write")
     parser.add_argument("--dry-run", action="store_true", help="write the configuration only; no TensorRT-LLM, no profiling")
     return parser
@@ -90,7 +93,7 @@ def _resolve_inputs(args: argparse.Namespace) -> tuple[ModelPreset, str | None, 
     if checkpoint is not None and args.model in PRESETS:
         check_checkpoint_matches(preset, checkpoint)
     draft = _existing_dir(args.draft_model, "draft model")
-    load_hf_config(draft)
+    check_drafter_fits(preset, draft)
     tree = TreeDefaults(
         steps=args.steps or preset.tree.steps,
         topk=args.topk or preset.tree.topk,
@@ -99,12 +102,32 @@ def _resolve_inputs(args: argparse.Namespace) -> tuple[ModelPreset, str | None, 
     return preset, checkpoint, draft, check_tree(tree)
 
 
+def check_drafter_fits(preset: ModelPreset, draft: str) -> None:
+    """BuildError unless `draft` is an EAGLE-3 drafter for this target (architecture, width, vocabulary).
+
+    The drafter's fc reads 3 * target_hidden_size features and its embedding is the
+    target's vocabulary; a drafter of another width (or the target directory itself)
+    would fail only on the GPUs.
+    """
+    from ...models.eagle3 import Eagle3Config
+
+    try:
+        cfg = Eagle3Config.from_dict(load_hf_config(draft))
+    except (ValueError, KeyError, TypeError) as e:
+        raise BuildError(f"draft model {draft}: {e}") from None
+    if cfg.target_hidden_size != preset.hidden_size:
+        raise BuildError(f"draft model {draft} was made for a target of hidden size {cfg.target_hidden_size} "
+                         f"(target_hidden_size, or hidden_size when absent); {preset.name} has {preset.hidden_size}")
+    if cfg.vocab_size != preset.vocab_size:
+        raise BuildError(f"draft model {draft} has vocab_size {cfg.vocab_size}; {preset.name} has {preset.vocab_size}")
+
+
 def plan_engine(args: argparse.Namespace) -> EngineSpec:
     """Validate the arguments and compute everything the engine directory records."""
     preset, checkpoint, draft, tree = _resolve_inputs(args)
     parallel = check_parallel(args.tp or preset.recommended_tp, args.pp, args.ep or preset.recommended_ep, preset.num_experts)
     lengths = parse_verify_lengths(args.verify_lengths, tree.max_draft_tokens)
-    mode = draft_mode(preset)
+    mode = draft_mode(preset, tree, args.trtllm_line)
     if args.predictor is not None and not Path(args.predictor).exists():
         raise BuildError(f"predictor {args.predictor} does not exist")
     if args.max_batch_size < 1:
@@ -123,7 +146,8 @@ def plan_engine(args: argparse.Namespace) -> EngineSpec:
         cost_profile=None,
         predictor=str(Path(args.predictor).resolve()) if args.predictor else None,
         dtype=preset.dtype,
-        versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": SUPPORTED_TRTLLM_RANGE, "tensorrt_llm": None},
+        versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": line_range(args.trtllm_line),
+                  "tensorrt_llm": None},
         dry_run=bool(args.dry_run),
         max_seq_len=args.max_seq_len,
     )
@@ -132,7 +156,8 @@ def plan_engine(args: argparse.Namespace) -> EngineSpec:
 def profile_options(spec: EngineSpec, profile: VerifyProfile) -> dict:
     """The extra_llm_api_options mapping of one profile (validated)."""
     return llm_api_options(spec.model, spec.tree, spec.parallel, profile, draft_dir=spec.draft_model, mode=spec.mode,
-                           max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len)
+                           max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
+                           cuda_graphs=spec.policy not in EAGER_POLICIES)
 
 
 def engine_readme(spec: EngineSpec, command: str) -> str:
@@ -161,6 +186,9 @@ def engine_readme(spec: EngineSpec, command: str) -> str:
                      "run `moespec build` without --dry-run on the GPUs, or give the PyTorch engine one.")
     else:
         lines.append(f"- `{COST_PROFILE_JSON}`: C(k) profiled with forced acceptance on this machine.")
+    if spec.policy in EAGER_POLICIES:
+        lines.append(f"- `cuda_graph_config: null`: policy {spec.policy} selects in eager PyTorch (host syncs), which "
+                     "a captured CUDA graph cannot contain; evict, ecospec, joint and eagle3 select on the device.")
     if spec.mode == "chain":
         lines += [
             "",
@@ -211,7 +239,7 @@ def build_engine(args: argparse.Namespace) -> int:
         if not args.dry_run and spec.checkpoint is None:
             raise BuildError("a real build needs --checkpoint (a local target checkpoint directory)")
     except (BuildError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"moespec build: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Path(args.out)
     if args.dry_run:
@@ -220,7 +248,7 @@ def build_engine(args: argparse.Namespace) -> int:
               f"no {COST_PROFILE_JSON}: profiling needs TensorRT-LLM on the GPUs")
         return 0
     if not trtllm_available():
-        print("error: tensorrt_llm is not importable here (it needs a CUDA GPU machine); "
+        print("moespec build: error: tensorrt_llm is not importable here (it needs a CUDA GPU machine); "
               "rerun with --dry-run to write the configuration only", file=sys.stderr)
         return EXIT_NO_TRTLLM
     from .profile import profile_engine  # GPU path; imports tensorrt_llm

@@ -29,7 +29,7 @@ MAIN_OPTIONS_YAML = "llm_api_options.yaml"
 PROFILES_DIR = "profiles"
 COST_PROFILE_JSON = "cost_profile.json"
 ENGINE_FORMAT_VERSION = 1
-POLICIES = ("ar", "eagle3", "evict", "ecospec", "joint", "coverage")
+POLICIES = ("ar", "eagle3", "evict", "ecospec", "joint", "coverage", "ddd")
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,16 @@ def parse_verify_lengths(value: str | Iterable[int] | None, max_draft_tokens: in
     return tuple(sorted(set(lengths)))
 
 
-def draft_mode(preset: ModelPreset) -> str:
-    """'chain' for sliding-window models (TRT-LLM dynamic tree lacks them), else 'tree'."""
-    return "chain" if preset.has_sliding_window else "tree"
+def draft_mode(preset: ModelPreset, tree: TreeDefaults | None = None, trtllm_line: str = "dynamic-tree") -> str:
+    """'chain' or 'tree' (version.py has the policy).
+
+    chain: sliding-window models (TRT-LLM's dynamic tree lacks them), the 1.2 line
+    (no dynamic tree there) and topk 1 (main routes dynamic_tree_max_topK < 2 to the
+    linear worker, `_is_effective_dynamic_tree`); else tree.
+    """
+    if preset.has_sliding_window or trtllm_line == "1.2" or (tree is not None and tree.topk < 2):
+        return "chain"
+    return "tree"
 
 
 def cuda_graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -156,9 +163,14 @@ def llm_api_options(
     max_batch_size: int,
     max_seq_len: int | None = None,
     free_gpu_memory_fraction: float = 0.85,
+    cuda_graphs: bool = True,
 ) -> dict[str, Any]:
-    """One extra_llm_api_options mapping, validated against schema.py."""
+    """One extra_llm_api_options mapping, validated against schema.py.
+
+    cuda_graphs=False writes `cuda_graph_config: null` (policies that select eagerly).
+    """
     graph_sizes = cuda_graph_batch_sizes(max_batch_size)
+    graphs = {"batch_sizes": graph_sizes, "max_batch_size": max(graph_sizes), "enable_padding": True}
     options: dict[str, Any] = {
         "backend": "pytorch",
         "dtype": preset.dtype,
@@ -168,7 +180,7 @@ def llm_api_options(
         "moe_tensor_parallel_size": parallel.moe_tp,
         "max_batch_size": max_batch_size,
         "kv_cache_config": {"free_gpu_memory_fraction": free_gpu_memory_fraction},
-        "cuda_graph_config": {"batch_sizes": graph_sizes, "max_batch_size": max(graph_sizes), "enable_padding": True},
+        "cuda_graph_config": graphs if cuda_graphs else None,
         "speculative_config": speculative_config(preset, tree, profile, draft_dir, mode),
     }
     if max_seq_len is not None:

@@ -6,8 +6,11 @@ interface.py) forces every step to accept max_draft_len tokens, so a timed
 generation of T tokens takes a known number of iterations and the cost per
 iteration is measured apart from the drafter's quality. C(0) is plain decoding.
 Values between the profiled verify lengths are interpolated linearly; the table
-is written with core.cost.CostTable. `interpolate_costs` is the only part that
-runs on CPU (and is tested there); the rest has not run on this project's machines.
+is written with core.cost.CostTable. The steps are timed with TensorRT-LLM's own
+top-N pruning (the MoESpec worker is not installed while profiling), and each LLM is
+checked to have kept the profile's draft sizes (version.check_effective_draft_tokens).
+`interpolate_costs` is the only part that runs on CPU (and is tested there); the rest
+has not run on this project's machines.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import yaml
 
 from ...core.cost import CostTable
 from .config import COST_PROFILE_JSON, EngineSpec
-from .version import check_version
+from .version import check_effective_draft_tokens, check_installed
 
 FORCE_ACCEPT_ENV = "TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS"
 
@@ -53,6 +56,10 @@ def _seconds_per_iteration(options: dict[str, Any], checkpoint: str, tokens_per_
 
     llm = LLM(**update_llm_args_with_extra_dict({"model": checkpoint}, options))
     try:
+        spec = options.get("speculative_config")
+        if spec is not None:
+            check_effective_draft_tokens(llm.args.speculative_config, spec["max_total_draft_tokens"],
+                                         spec["max_draft_len"])
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(["warm up"], params)
         times = []
@@ -69,7 +76,7 @@ def profile_engine(spec: EngineSpec, engine_dir: Path, num_tokens: int = 256, re
     """Measure C(k) for every profile, write cost_profile.json, return the updated spec."""
     import torch
 
-    version = check_version()
+    version = check_installed(spec.mode)
     main = yaml.safe_load((engine_dir / spec.llm_api_options).read_text())
     plain = {k: v for k, v in main.items() if k != "speculative_config"}
     points = {0: _seconds_per_iteration(plain, spec.checkpoint, 1, num_tokens, repeats)}

@@ -35,16 +35,63 @@ by commit, without release tags, so the commits are the ones it served):
   and `1/model.yaml` @ 0ebb1536ac12bbe27201185de960df3ab00bcecc: Triton tensor names
   (`text_input`, `streaming`, `sampling_param_*`, `text_output`, `acceptance_rate`,
   `total_accepted_draft_tokens`, `total_draft_tokens`) and the `triton_config` block.
+- Version lines (version.py): `eagle3_dynamic_tree.py` exists on main @ 057c8a65 (and in the
+  newest stored copy, 470bb720); PR #12062 / revert #13006 / re-land #13081 dates and the 1.2.x
+  `validate_eagle_config` rule `max_total_draft_tokens = max_draft_len` are as recorded by
+  the review in issue 11 (pre-#12062 files standing in for 1.2); not re-read here.
+- `tensorrt_llm/_torch/speculative/utils.py` @ 3e906a0ed7c66ed4df90aa4856bf1a6c98ca7df6
+  (main): `_is_effective_dynamic_tree(spec_config)` = use_dynamic_tree and
+  dynamic_tree_max_topK > 1 (PR #15842); used for the worker, the metadata and the
+  resource manager, so worker.py defers to it when present and mirrors it otherwise.
+- `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` @ 057c8a65: `_forward_draft_loop`
+  calls `update_hidden_states(cur_draft_idx, batch_size, step0_hs=..)` after step 0 (step0_hs
+  = the pre-norm `hidden_states_to_save` at gather_ids, the last accepted position) and
+  `update_hidden_states(l, batch_size, hidden_states_to_save=.., selected_parents=..)` after
+  step l >= 1, whose last K rows per request are the step's frontier; `prepare_for_generation(
+  0, .., inputs=inputs, gather_ids=gather_ids, ..)` sees the step-0 input ids; then
+  `resampling_final_draft_tokens(batch_size)`. Graph safety: that loop runs inside the
+  captured one-model forward.
+- `tensorrt_llm/_torch/models/modeling_speculative.py` @ 00679c66c3e38f6d2651ad0a5bef0f94d862e36c:
+  `Eagle3DraftModel.forward` returns (post-norm hidden, pre-norm `hidden_states_to_save`);
+  `embed_tokens` is the target's (`load_weights_from_target_model`) unless the drafter's width
+  differs from the target's.
+- `tensorrt_llm/executor/executor.py` @ ed53795b33fc139493f762a1c6c53f691cf52d38:
+  `GenerationExecutor.create` builds the in-process `GenerationExecutorWorker` only when
+  `enable_worker_single_process_for_tp1()` (env `TLLM_WORKER_USE_SINGLE_PROCESS`) or
+  return_logits; otherwise a single GPU gets a `GenerationExecutorProxy` whose worker runs in a
+  process spawned through mpi4py, and a model world size > 1 without mpirun spawns MPI workers.
+- `triton_backend/all_models/llmapi/tensorrt_llm/1/model.py` @ 044a90d209e380c95e23e8ae42f3583fa05ada78:
+  rank 0 (`global_mpi_rank() == 0`) builds the LLM, with `MpiCommSession(comm=COMM_WORLD,
+  n_workers=COMM_WORLD.Get_size())` when the MPI world is larger than 1; the other ranks
+  serve `MPICommExecutor(COMM_WORLD)`; the model file is `os.environ.get('LLM_CONFIG_PATH',
+  'model.yaml')`.
+- `tensorrt_llm/python_plugin.py` @ 18b5fac4f805b04f15efff9962db4a0f0453e4aa and
+  `tensorrt_llm/_utils.py` @ ed53795b: see TRTLLM_MODULE_LAYOUT below.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-# The tensorrt_llm releases the adapter is written against (PEP 440 bounds).
-SUPPORTED_TRTLLM_MIN = "1.2.0"  # inclusive
-SUPPORTED_TRTLLM_MAX = "1.3.0"  # exclusive
-SUPPORTED_TRTLLM_RANGE = f">={SUPPORTED_TRTLLM_MIN},<{SUPPORTED_TRTLLM_MAX}"
+# The tensorrt_llm lines the adapter is written against (PEP 440 bounds; policy in version.py).
+CHAIN_LINE_MIN, CHAIN_LINE_MAX = "1.2.0", "1.3.0"  # 1.2.x: linear EAGLE-3 only
+TREE_LINE_MIN, TREE_LINE_MAX = "1.3.0rc0", "2.0.0"  # needs DYNAMIC_TREE_MODULE too (PR #13081)
+CHAIN_LINE_RANGE = f">={CHAIN_LINE_MIN},<{CHAIN_LINE_MAX}"
+TREE_LINE_RANGE = f">={TREE_LINE_MIN},<{TREE_LINE_MAX}"
+DYNAMIC_TREE_MODULE = "tensorrt_llm._torch.speculative.eagle3_dynamic_tree"
+
+# Where the names our Python plugin imports are defined (module -> names), so an import
+# from the wrong module fails a CPU test instead of a GPU node:
+# - python_plugin.py @ 18b5fac4: defines PluginBase, SymTensor, ShapeExpr, DimensionExpr,
+#   trtllm_plugin (whose plugin_namespace defaults to TRT_LLM_PLUGIN_NAMESPACE, imported from
+#   .plugin.plugin); it imports TensorWrapper and trt_dtype_to_torch from ._utils but not
+#   convert_to_torch_tensor.
+# - _utils.py @ ed53795b: defines TensorWrapper, convert_to_torch_tensor, trt_dtype_to_torch.
+TRTLLM_MODULE_LAYOUT = {
+    "tensorrt_llm.python_plugin": frozenset({"PluginBase", "SymTensor", "ShapeExpr", "DimensionExpr", "trtllm_plugin"}),
+    "tensorrt_llm._utils": frozenset({"TensorWrapper", "convert_to_torch_tensor", "trt_dtype_to_torch"}),
+    "tensorrt_llm.plugin.plugin": frozenset({"TRT_LLM_PLUGIN_NAMESPACE"}),
+}
 
 SPECULATIVE_CONFIG_FIELDS = frozenset(
     {
@@ -157,7 +204,7 @@ def validate_llm_api_options(options: Mapping[str, Any]) -> None:
     _check_keys("llm_api_options", options, LLM_ARGS_FIELDS)
     if "speculative_config" in options:
         validate_speculative_config(options["speculative_config"])
-    if "cuda_graph_config" in options:
+    if options.get("cuda_graph_config") is not None:  # null disables CUDA graphs
         validate_cuda_graph_config(options["cuda_graph_config"])
     if "kv_cache_config" in options:
         _check_keys("kv_cache_config", options["kv_cache_config"], KV_CACHE_CONFIG_FIELDS)

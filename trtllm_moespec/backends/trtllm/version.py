@@ -1,28 +1,59 @@
-"""Which tensorrt_llm versions the adapter accepts, and how we find out without importing it.
+"""Which tensorrt_llm versions run which MoESpec mode: the version policy, in one place.
 
-TensorRT-LLM is never imported at module import time: `trtllm_available()` only
-asks the import system whether the package exists, and `installed_version()`
-imports it on demand (that import needs a CUDA machine).
+Two lines of TensorRT-LLM exist for us (what was read is in schema.py):
+
+| tensorrt_llm | draft mode | MoESpec selection inside TensorRT-LLM |
+|---|---|---|
+| 1.2.x (`>=1.2.0,<1.3.0`) | "chain": linear EAGLE-3, one `max_draft_len` per profile | none (TensorRT-LLM verifies the chain) |
+| `>=1.3.0rc0,<2` **and** the module `eagle3_dynamic_tree` present (a release or pinned commit containing PR #13081) | "tree": EAGLE-3 dynamic tree | `MoESpecDynamicTreeWorker` |
+| anything else | refused with one error naming the version | |
+
+Why: `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` first landed on main in
+PR #12062 (2026-03-10), was reverted (#13006) and re-landed (#13081, 2026-04-15), after
+the 1.2 branch; and on 1.2.x `validate_eagle_config` sets
+`max_total_draft_tokens = max_draft_len`, so a "tree" profile there would silently run
+a chain of min(steps, v) tokens. A 1.3 pre-release from before #13081 lacks the
+module, which is why the module itself is checked (`importlib.util.find_spec`), not
+only the version string.
+
+TensorRT-LLM is never imported at module import time.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 from packaging.version import InvalidVersion, Version
 
-from .schema import SUPPORTED_TRTLLM_MAX, SUPPORTED_TRTLLM_MIN, SUPPORTED_TRTLLM_RANGE
+from .schema import (CHAIN_LINE_MAX, CHAIN_LINE_MIN, CHAIN_LINE_RANGE, DYNAMIC_TREE_MODULE, TREE_LINE_MAX,
+                     TREE_LINE_MIN, TREE_LINE_RANGE)
+
+DRAFT_MODES = ("tree", "chain")
+# The `--trtllm-line` choices of `moespec build` and the range each one stands for.
+TRTLLM_LINES = {"1.2": CHAIN_LINE_RANGE, "dynamic-tree": TREE_LINE_RANGE}
+DYNAMIC_TREE_PR = "#13081"
 
 
 class UnsupportedTensorRTLLMVersion(RuntimeError):
-    """The installed tensorrt_llm is outside the range the adapter was written against."""
+    """The installed tensorrt_llm cannot run what was asked of it (message says what to do)."""
 
 
 def trtllm_available() -> bool:
     """True when a `tensorrt_llm` package is importable (found; not imported)."""
     try:
         return importlib.util.find_spec("tensorrt_llm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def dynamic_tree_available() -> bool:
+    """True when `tensorrt_llm._torch.speculative.eagle3_dynamic_tree` exists (imports its parents)."""
+    if sys.modules.get(DYNAMIC_TREE_MODULE) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(DYNAMIC_TREE_MODULE) is not None
     except (ImportError, ValueError):
         return False
 
@@ -36,33 +67,71 @@ def installed_version() -> str:
     return version
 
 
-def is_supported(version: str) -> bool:
-    """Whether `version` lies in [SUPPORTED_TRTLLM_MIN, SUPPORTED_TRTLLM_MAX) (PEP 440 order).
-
-    Pre-releases of the minimum (e.g. 1.2.0rc2) are outside: the dynamic-tree
-    worker we subclass is not guaranteed in them.
-    """
+def _parse(version: str) -> Version:
     try:
-        v = Version(version)
-    except InvalidVersion:
-        return False
-    return Version(SUPPORTED_TRTLLM_MIN) <= v < Version(SUPPORTED_TRTLLM_MAX)
-
-
-def check_version(version: str | None = None) -> str:
-    """Return the version if supported, else raise UnsupportedTensorRTLLMVersion.
-
-    version: the string to check; None means the installed tensorrt_llm's.
-    """
-    if version is None:
-        version = installed_version()
-    try:
-        Version(version)
+        return Version(version)
     except InvalidVersion:
         raise UnsupportedTensorRTLLMVersion(f"tensorrt_llm version {version!r} is not a valid version string") from None
-    if not is_supported(version):
+
+
+def supported_mode(version: str, has_dynamic_tree: bool) -> str:
+    """The most a tensorrt_llm can run: 'tree' or 'chain'; UnsupportedTensorRTLLMVersion otherwise.
+
+    Pre-releases of 1.2.0 are outside (the 1.2 internals are not guaranteed there);
+    1.3 pre-releases count as the tree line only when the module is present.
+    """
+    v = _parse(version)
+    if Version(CHAIN_LINE_MIN) <= v < Version(CHAIN_LINE_MAX):
+        return "chain"
+    if Version(TREE_LINE_MIN) <= v < Version(TREE_LINE_MAX):
+        if not has_dynamic_tree:
+            raise UnsupportedTensorRTLLMVersion(
+                f"tensorrt_llm {version} lacks {DYNAMIC_TREE_MODULE} (PR {DYNAMIC_TREE_PR}); install a release or "
+                f"commit that contains it, or use tensorrt_llm {CHAIN_LINE_RANGE} with an engine built with "
+                "`moespec build --trtllm-line 1.2`")
+        return "tree"
+    raise UnsupportedTensorRTLLMVersion(
+        f"tensorrt_llm {version} is not supported by trtllm_moespec (chain mode needs {CHAIN_LINE_RANGE}, "
+        f"tree mode {TREE_LINE_RANGE} with {DYNAMIC_TREE_MODULE})")
+
+
+def check_engine_mode(engine_mode: str, version: str, has_dynamic_tree: bool) -> str:
+    """Return `version` if it can run an engine of `engine_mode`; else one error saying what to do."""
+    if engine_mode not in DRAFT_MODES:
+        raise ValueError(f"unknown draft mode {engine_mode!r}; expected one of {DRAFT_MODES}")
+    mode = supported_mode(version, has_dynamic_tree)
+    if engine_mode == "tree" and mode != "tree":
         raise UnsupportedTensorRTLLMVersion(
-            f"tensorrt_llm {version} is not supported by trtllm_moespec (needs {SUPPORTED_TRTLLM_RANGE}); "
-            "its speculative-decoding internals differ, so the MoESpec worker will not be installed"
-        )
+            f"this engine drafts an EAGLE-3 dynamic tree, which tensorrt_llm {version} does not have "
+            f"(1.2.x forces max_total_draft_tokens = max_draft_len); rebuild it with `moespec build --trtllm-line 1.2` "
+            f"or install tensorrt_llm {TREE_LINE_RANGE} containing PR {DYNAMIC_TREE_PR}")
     return version
+
+
+def check_installed(engine_mode: str) -> str:
+    """check_engine_mode against the installed tensorrt_llm (imports it; GPU machines)."""
+    return check_engine_mode(engine_mode, installed_version(), dynamic_tree_available())
+
+
+def line_range(line: str) -> str:
+    """The version range of a `--trtllm-line` choice; ValueError for unknown lines."""
+    if line not in TRTLLM_LINES:
+        raise ValueError(f"unknown TensorRT-LLM line {line!r}; choose one of {sorted(TRTLLM_LINES)}")
+    return TRTLLM_LINES[line]
+
+
+def check_effective_draft_tokens(spec_config: object, verify_length: int, max_draft_len: int) -> None:
+    """Raise UnsupportedTensorRTLLMVersion unless TensorRT-LLM kept the profile's draft sizes.
+
+    spec_config: the `speculative_config` of a built `LLM` (its `args`), after its
+    validators ran. Catches a tensorrt_llm that rewrites max_total_draft_tokens (1.2.x
+    does for any EAGLE config), which would otherwise make every profile measure the
+    same size.
+    """
+    total = getattr(spec_config, "max_total_draft_tokens", None)
+    draft_len = getattr(spec_config, "max_draft_len", None)
+    if total != verify_length or draft_len != max_draft_len:
+        raise UnsupportedTensorRTLLMVersion(
+            f"TensorRT-LLM changed the profile's draft sizes: max_total_draft_tokens={total!r}, "
+            f"max_draft_len={draft_len!r}, but the profile needs {verify_length} and {max_draft_len}; "
+            "this tensorrt_llm cannot run this engine's profile (see the version table in the backend README)")

@@ -1,24 +1,26 @@
 """The MoESpec worker for TensorRT-LLM's PyTorch backend, and how it is swapped in.
 
 TensorRT-LLM's `Eagle3OneModelDynamicTreeWorker` (tensorrt_llm/_torch/speculative/
-eagle3_dynamic_tree.py) drafts an EAGLE-3 tree into history buffers and then
-prunes it once, in `resampling_final_draft_tokens(batch_size)`, to the top-N nodes
-by score (N = max_total_draft_tokens, the verify length its CUDA graphs were
-captured for). `MoESpecDynamicTreeWorker` overrides exactly that method: it turns
-the history buffers into our DraftTree (buffers.py), lets our selection choose the
-nodes, pads the choice to N with the next-best nodes (the graph verifies N) and
-returns the same (draft tokens, sorted history indices) pair.
+eagle3_dynamic_tree.py @ 057c8a65) drafts an EAGLE-3 tree into history buffers and
+prunes it once, in `resampling_final_draft_tokens(batch_size)`, to the top-N nodes by
+score (N = max_total_draft_tokens, the verify length its CUDA graphs were captured
+for). `MoESpecDynamicTreeWorker` overrides exactly that method: the history buffers
+become our DraftTree (buffers.py), a selector chosen at init (selection.py) picks the
+nodes on the device, and the choice is padded to N with the next-best nodes.
 
-EVICT runs through the `moespec::select_tree` custom op (trtllm_moespec.kernels:
-Triton on CUDA, no host synchronisation, so it can live inside TensorRT-LLM's
-captured graphs). eagle3 and coverage run the core policy in eager PyTorch, which
-synchronises with the host: run TensorRT-LLM without CUDA graphs for those.
+For ecospec and joint the worker also records, during TensorRT-LLM's own drafting
+loop, the drafter's pre-norm hidden state per parent-buffer slot
+(`update_hidden_states`) and the last accepted token (`prepare_for_generation` at step
+0); the draft-head expert predictor turns them into per-node expert sets just before
+the selection. Nothing here synchronises with the host except the eager-only
+`coverage` policy.
 
 There is no worker registry in TensorRT-LLM: workers come from
 `tensorrt_llm._torch.speculative.utils.get_spec_worker`, which
 `tensorrt_llm._torch.speculative` re-exports and `..models.modeling_speculative`
 imports by name. `install()` wraps that function and rebinds every loaded module
-attribute that still points to the original.
+attribute that still points to the original. `reach.py` makes sure every process
+that builds the model runs `install()`.
 """
 
 from __future__ import annotations
@@ -28,92 +30,52 @@ import importlib
 import inspect
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ...core.tree import DraftTree
 from .buffers import DynamicTreeHistory, draft_tree_from_history, selection_to_trtllm
-from .version import check_version
+from .schema import DYNAMIC_TREE_MODULE
+from .selection import (EXPERT_POLICIES, HistoryExpertPredictor, Selector, WorkerSettings, check_worker_policy,
+                        make_selector)
+from .version import check_engine_mode, dynamic_tree_available, installed_version
 
 log = logging.getLogger(__name__)
 
 SPEC_UTILS_MODULE = "tensorrt_llm._torch.speculative.utils"
-DYNAMIC_TREE_MODULE = "tensorrt_llm._torch.speculative.eagle3_dynamic_tree"
 BASE_WORKER_NAME = "Eagle3OneModelDynamicTreeWorker"
 WORKER_FACTORY_NAME = "get_spec_worker"
-# Policies whose selection needs only the draft tree (+ a cost table): the worker
-# has no per-node expert predictions inside TensorRT-LLM yet.
-TREE_ONLY_POLICIES = ("eagle3", "evict", "coverage")
+EFFECTIVE_DYNAMIC_TREE_NAME = "_is_effective_dynamic_tree"  # main, PR #15842 (utils.py @ 3e906a0e)
 
-Selector = Callable[[DraftTree], torch.Tensor]  # tree -> node_idx [B, K] (-1 pad)
+__all__ = ["WorkerSettings", "install", "uninstall", "make_worker_class", "moespec_resampling", "wants_dynamic_tree",
+           "installed_worker_name", "make_selector"]
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
-    """What the worker needs from the engine directory."""
+class ExpertInputs:
+    """What the expert predictor reads, captured during the drafting loop."""
 
-    policy: str  # one of TREE_ONLY_POLICIES
-    cost_profile: str | None = None  # cost_profile.json (evict needs it)
-    policy_options: dict[str, Any] = field(default_factory=dict)
-
-
-def check_worker_policy(policy: str) -> None:
-    """Raise ValueError unless the TensorRT-LLM worker can run `policy`."""
-    if policy not in TREE_ONLY_POLICIES:
-        raise ValueError(
-            f"policy {policy!r} cannot run inside the TensorRT-LLM worker: it needs per-node expert predictions, "
-            f"which the worker does not compute yet; use one of {TREE_ONLY_POLICIES} there, or the PyTorch engine"
-        )
+    slot_hidden: torch.Tensor  # [B, P, Hd] pre-norm drafter hidden per parent-buffer slot
+    root_ids: torch.Tensor  # [B] int64 last accepted token
+    embed: Callable[[torch.Tensor], torch.Tensor]  # token ids -> target embeddings
 
 
-def make_selector(settings: WorkerSettings, verify_length: int) -> Selector:
-    """A function tree -> selected node_idx for the captured verify length.
-
-    Raises ValueError for policies the worker cannot run (expert-aware ones) and
-    for evict without a cost profile.
-    """
-    check_worker_policy(settings.policy)
-    from ...core.policies import make_policy
-
-    options = dict(settings.policy_options)
-    options.setdefault("budget", verify_length)
-    if settings.policy == "evict":
-        if settings.cost_profile is None:
-            raise ValueError("policy 'evict' needs the engine's cost_profile.json (build without --dry-run on a GPU)")
-        from ...core.cost import CostTable
-
-        options["cost_table"] = CostTable.load(settings.cost_profile)
-    policy = make_policy(settings.policy, **options)
-    if settings.policy == "evict":
-        return _evict_op_selector(options["cost_table"], options["budget"])
-    return lambda tree: policy.select(tree).node_idx
-
-
-def _evict_op_selector(cost_table: Any, budget: int) -> Selector:
-    """EVICT through the `moespec::select_tree` op (Triton on CUDA, graph-capturable)."""
-    from ...kernels import select_tree
-
-    def select(tree: DraftTree) -> torch.Tensor:
-        B, N = tree.token_ids.shape
-        no_bits = torch.zeros(B, N, 1, dtype=torch.int64, device=tree.scores.device)  # evict ignores experts
-        table = cost_table.as_tensor(tree.scores.device)
-        return select_tree(tree.scores, tree.parents, tree.valid, tree.depth, no_bits, no_bits[:, 0], table,
-                           "evict", budget).node_idx
-
-    return select
-
-
-def moespec_resampling(
-    history: DynamicTreeHistory, select: Selector, verify_length: int, checks: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moespec_resampling(history: DynamicTreeHistory, select: Selector, verify_length: int, *,
+                       predictor: HistoryExpertPredictor | None = None, experts: ExpertInputs | None = None,
+                       checks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Our replacement of resampling_final_draft_tokens, as a pure function.
 
+    checks=False is the graph-safe path (no shape checks, which read sizes on the host).
     Returns (real_draft_tokens [B, N] int32, topk_score_indices [B, N] int64 ascending).
     """
     tree = draft_tree_from_history(history, checks=checks)
-    selection = selection_to_trtllm(history, tree, select(tree), verify_length, checks=checks)
+    node_bits = root_bits = None
+    if select.needs_experts:
+        if predictor is None or experts is None:
+            raise ValueError("this policy needs per-node expert predictions: give the predictor and its inputs")
+        node_bits, root_bits = predictor.predict(history, experts.slot_hidden, experts.root_ids, experts.embed)
+    selection = selection_to_trtllm(history, tree, select(tree, node_bits, root_bits), verify_length, checks=checks)
     return selection.draft_tokens, selection.topk_score_indices
 
 
@@ -123,10 +85,42 @@ def make_worker_class(base: type) -> type:
     class MoESpecDynamicTreeWorker(base):
         """Eagle3 dynamic-tree worker whose final pruning is MoESpec's selection."""
 
-        def __init__(self, *args: Any, moespec_settings: WorkerSettings, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, moespec_settings: WorkerSettings, moespec_num_experts: int | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.moespec_settings = moespec_settings
-            self._moespec_select = make_selector(moespec_settings, self.max_total_draft_tokens)
+            device = self.history_score_buffer.device
+            self._moespec_select = make_selector(moespec_settings, self.max_total_draft_tokens, device)
+            self._moespec_predictor = None
+            if moespec_settings.policy in EXPERT_POLICIES:
+                if moespec_num_experts is None:
+                    raise ValueError("ecospec/joint in the worker need the target's number of experts")
+                self._moespec_predictor = HistoryExpertPredictor(moespec_settings.predictor, moespec_num_experts, device)
+            batch = self.history_score_buffer.shape[0]
+            # Static buffers (their addresses are captured): root ids now, hidden slots on the first step 0.
+            self._moespec_root_ids = torch.zeros(batch, dtype=torch.int64, device=device)
+            self._moespec_slot_hidden = None
+            self._moespec_embed = None
+
+        def _forward_draft_loop(self, inputs, attn_metadata, spec_metadata, draft_model, *args, **kwargs):
+            # The drafter shares the target's embedding (modeling_speculative.py @ 00679c66).
+            self._moespec_embed = draft_model.model.embed_tokens
+            return super()._forward_draft_loop(inputs, attn_metadata, spec_metadata, draft_model, *args, **kwargs)
+
+        def prepare_for_generation(self, cur_draft_idx, attn_metadata, batch_size, *, inputs=None, gather_ids=None,
+                                   **kwargs):
+            if cur_draft_idx == 0 and self._moespec_predictor is not None:
+                self._moespec_root_ids[:batch_size].copy_(inputs["input_ids"][gather_ids])
+            return super().prepare_for_generation(cur_draft_idx, attn_metadata, batch_size, inputs=inputs,
+                                                  gather_ids=gather_ids, **kwargs)
+
+        def update_hidden_states(self, cur_draft_idx, batch_size, step0_hs=None, hidden_states_to_save=None,
+                                 selected_parents=None):
+            if self._moespec_predictor is not None:
+                record_slot_hidden(self, cur_draft_idx, batch_size, step0_hs, hidden_states_to_save)
+            return super().update_hidden_states(cur_draft_idx, batch_size, step0_hs=step0_hs,
+                                                hidden_states_to_save=hidden_states_to_save,
+                                                selected_parents=selected_parents)
 
         def resampling_final_draft_tokens(self, batch_size: int):
             history = DynamicTreeHistory(
@@ -136,19 +130,60 @@ def make_worker_class(base: type) -> type:
                 topk=self.K,
                 max_draft_len=self.max_draft_len,
             )
-            return moespec_resampling(history, self._moespec_select, self.max_total_draft_tokens)
+            experts = None
+            if self._moespec_predictor is not None:
+                experts = ExpertInputs(self._moespec_slot_hidden[:batch_size], self._moespec_root_ids[:batch_size],
+                                       self._moespec_embed)
+            return moespec_resampling(history, self._moespec_select, self.max_total_draft_tokens,
+                                      predictor=self._moespec_predictor, experts=experts)
 
     MoESpecDynamicTreeWorker.__qualname__ = "MoESpecDynamicTreeWorker"
     return MoESpecDynamicTreeWorker
 
 
-def _wants_dynamic_tree(spec_config: Any) -> bool:
+def record_slot_hidden(worker: Any, cur_draft_idx: int, batch_size: int, step0_hs: torch.Tensor | None,
+                       hidden_states_to_save: torch.Tensor | None) -> None:
+    """Write one drafting step's proposing hidden states into the worker's slot buffer.
+
+    Step 0: step0_hs [B, Hd] (the last accepted position) -> slot 0. Step l >= 1:
+    hidden_states_to_save [B * l*K, Hd] (the growing context); its last K rows per
+    request are the frontier that proposed this step's children -> slots 1+(l-1)K .. lK.
+    """
+    K = worker.K
+    if cur_draft_idx == 0:
+        slots = worker.history_draft_tokens_parent_buffer.shape[1]
+        buf = worker._moespec_slot_hidden
+        if buf is None or buf.shape[-1] != step0_hs.shape[-1] or buf.dtype != step0_hs.dtype:
+            # Allocated on the first (eager warm-up) call, as TensorRT-LLM allocates its own hidden buffers.
+            worker._moespec_slot_hidden = buf = torch.zeros(worker.history_score_buffer.shape[0], slots,
+                                                            step0_hs.shape[-1], dtype=step0_hs.dtype,
+                                                            device=step0_hs.device)
+        buf[:batch_size, 0].copy_(step0_hs)
+        return
+    frontier = hidden_states_to_save.reshape(batch_size, cur_draft_idx * K, -1)[:, -K:]
+    start = 1 + (cur_draft_idx - 1) * K
+    worker._moespec_slot_hidden[:batch_size, start : start + K].copy_(frontier)
+
+
+def wants_dynamic_tree(spec_config: Any, utils: Any = None) -> bool:
+    """Whether TensorRT-LLM builds its dynamic-tree worker for `spec_config`.
+
+    Main decides with `_is_effective_dynamic_tree` (use_dynamic_tree and topK >= 2, PR
+    #15842) for the worker, the metadata and the resource manager alike; we call it when
+    the installed utils module has it, so our choice always agrees, and mirror it otherwise.
+    """
     mode = getattr(spec_config, "spec_dec_mode", None)
     is_eagle3_one_model = getattr(mode, "is_eagle3_one_model", None)
-    return bool(is_eagle3_one_model and is_eagle3_one_model() and getattr(spec_config, "use_dynamic_tree", False))
+    if not (is_eagle3_one_model and is_eagle3_one_model()):
+        return False
+    effective = getattr(utils, EFFECTIVE_DYNAMIC_TREE_NAME, None)
+    if effective is not None:
+        return bool(effective(spec_config))
+    return bool(getattr(spec_config, "use_dynamic_tree", False)) and getattr(spec_config, "dynamic_tree_max_topK", 0) > 1
 
 
-def wrap_get_spec_worker(original: Callable, worker_cls: type, settings: WorkerSettings) -> Callable:
+def wrap_get_spec_worker(original: Callable, worker_cls: type, settings: WorkerSettings, utils: Any = None,
+                         num_experts: int | None = None) -> Callable:
     """A get_spec_worker that returns `worker_cls` for Eagle3 one-model dynamic trees."""
     signature = inspect.signature(original)
     if not {"spec_config", "mapping"} <= set(signature.parameters):
@@ -159,14 +194,16 @@ def wrap_get_spec_worker(original: Callable, worker_cls: type, settings: WorkerS
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         spec_config = bound.arguments["spec_config"]
-        if not _wants_dynamic_tree(spec_config):
+        if not wants_dynamic_tree(spec_config, utils):
             return original(*args, **kwargs)
         extra = {}
         if "use_separate_draft_kv_cache" in bound.arguments:
             extra["use_separate_draft_kv_cache"] = bound.arguments["use_separate_draft_kv_cache"]
-        return worker_cls(spec_config, bound.arguments["mapping"], moespec_settings=settings, **extra)
+        return worker_cls(spec_config, bound.arguments["mapping"], moespec_settings=settings,
+                          moespec_num_experts=num_experts, **extra)
 
     get_spec_worker.__moespec_original__ = original  # type: ignore[attr-defined]
+    get_spec_worker.__moespec_worker__ = worker_cls  # type: ignore[attr-defined]
     return get_spec_worker
 
 
@@ -176,15 +213,15 @@ class InstallRecord:
     patched_modules: tuple[str, ...]  # modules whose get_spec_worker now points to the wrapper
 
 
-def install(settings: WorkerSettings, version: str | None = None) -> InstallRecord:
+def install(settings: WorkerSettings, version: str | None = None, num_experts: int | None = None) -> InstallRecord:
     """Swap MoESpec's worker into the imported tensorrt_llm; idempotent.
 
     version: override of the version to check (None = the installed tensorrt_llm's).
-    Raises UnsupportedTensorRTLLMVersion, ValueError (policy) or RuntimeError
-    (internals not where 1.2.x has them).
+    Raises UnsupportedTensorRTLLMVersion (with what to do) before importing any
+    internal module, ValueError (policy) or RuntimeError (internals moved).
     """
-    check_version(version)
-    check_worker_policy(settings.policy)
+    check_engine_mode("tree", version or installed_version(), dynamic_tree_available())
+    check_worker_policy(settings)
     utils = importlib.import_module(SPEC_UTILS_MODULE)
     dyn = importlib.import_module(DYNAMIC_TREE_MODULE)
     base = getattr(dyn, BASE_WORKER_NAME, None)
@@ -193,7 +230,7 @@ def install(settings: WorkerSettings, version: str | None = None) -> InstallReco
         raise RuntimeError(f"tensorrt_llm lacks {DYNAMIC_TREE_MODULE}.{BASE_WORKER_NAME} or {SPEC_UTILS_MODULE}.{WORKER_FACTORY_NAME}")
     original = getattr(current, "__moespec_original__", current)
     worker_cls = make_worker_class(base)
-    wrapper = wrap_get_spec_worker(original, worker_cls, settings)
+    wrapper = wrap_get_spec_worker(original, worker_cls, settings, utils, num_experts)
     patched = []
     for name, module in list(sys.modules.items()):
         if (name == "tensorrt_llm" or name.startswith("tensorrt_llm.")) and module is not None:
@@ -203,6 +240,18 @@ def install(settings: WorkerSettings, version: str | None = None) -> InstallReco
                 patched.append(name)
     log.warning("MoESpec worker installed into tensorrt_llm (%s), policy %s", ", ".join(sorted(patched)), settings.policy)
     return InstallRecord(worker_cls, tuple(sorted(patched)))
+
+
+def installed_worker_name(spec_config: Any) -> str:
+    """The class name the current `get_spec_worker` would build for `spec_config` (without building it)."""
+    utils = importlib.import_module(SPEC_UTILS_MODULE)
+    factory = getattr(utils, WORKER_FACTORY_NAME)
+    worker_cls = getattr(factory, "__moespec_worker__", None)
+    if worker_cls is not None and wants_dynamic_tree(spec_config, utils):
+        return worker_cls.__name__
+    if wants_dynamic_tree(spec_config, utils):
+        return BASE_WORKER_NAME
+    return "TensorRT-LLM linear EAGLE-3 worker"
 
 
 def uninstall() -> tuple[str, ...]:

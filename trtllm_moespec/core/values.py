@@ -1,0 +1,349 @@
+"""Node values: the estimated probability that the target accepts a draft node given its path.
+
+Every cost-aware policy (evict, ecospec, joint, coverage) ranks and stops on *values*
+instead of raw draft path scores. Raw path scores under-estimate acceptance, more
+with depth: the KL-distilled drafter tracks the target's probability, while greedy
+acceptance needs an argmax match (best child q ~ 0.2 is accepted ~70% of the time).
+
+    value(v) = prod over the root->v path of c(u),   c(u) = P(target accepts u | u's parent accepted)
+
+A `ValueModel` produces the conditional c(v) of every node from a per-node *local
+score* x(v) (the draft probability q, or a learned head's output) through a per-depth
+monotone (isotonic) map, then composes it along the path. Because every c lies in
+(0, 1], a child's value never exceeds its parent's: score-ordered prefixes stay
+parent-closed, exactly as with raw scores (ties break by depth, so a parent comes first).
+
+The map starts from a prior (fitted offline on recorded steps and shipped with the
+model) and is updated online, per request, from what every step observes anyway: each
+verified node whose parent was accepted is one trial, accepted or not (no extra
+forward). That holds at T=0 (argmax matches) and T>0 (sampled acceptances).
+
+Values only change *which* nodes are verified, never how: verification stays lossless.
+Per-request state keeps a seeded generation reproducible (no cross-request drift).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .sampling import SamplingConfig
+from .tree import DraftTree
+
+VALUE_KINDS = ("raw", "calibrated", "head")
+CALIBRATOR_FORMAT = "moespec-value-calibrator"
+# Local-score bin edges: drafter probabilities crowd near 0, so the low bins are narrow.
+DEFAULT_EDGES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
+                 0.9, 1.0)
+_MIN_COND = 1e-6  # keeps log(value) finite
+
+
+class RequestValues(Protocol):
+    """One request's value state: values for each step's tree, updated from each step's outcome."""
+
+    def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
+        """[B, N] float32 node values in [0, 1] (0 for padding); child <= parent. `draft` carries the
+        drafter's per-node features (may be None), `context` the committed token ids (root last)."""
+
+    def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted_nodes: torch.Tensor) -> None:
+        """node_idx [B, K] the verified nodes (-1 pad); accepted_nodes [B, D] tree idx of accepted ones (-1 pad)."""
+
+
+class ValueModel(Protocol):
+    """What the engine holds: a factory of per-request value states."""
+
+    name: str
+
+    def for_request(self, sampling: SamplingConfig) -> RequestValues: ...
+
+
+# ---------------------------------------------------------------------------------------------- path algebra
+def path_values(tree: DraftTree, cond: torch.Tensor) -> torch.Tensor:
+    """[B, N] products of cond [B, N] (clamped to [1e-6, 1]) along each root->v path; 0 for padding."""
+    B, N = tree.token_ids.shape
+    if N == 0:
+        return torch.zeros(B, 0, dtype=torch.float32, device=tree.token_ids.device)
+    logc = np.log(np.clip(cond.detach().cpu().double().numpy(), _MIN_COND, 1.0))
+    parents, depth, valid = (t.cpu().numpy() for t in (tree.parents, tree.depth, tree.valid))
+    logv = np.where(valid, logc, -np.inf)
+    for d in range(2, int(depth.max()) + 1):  # depth-1 nodes hang from the root
+        b, i = np.nonzero((depth == d) & valid)
+        logv[b, i] += logv[b, parents[b, i]]
+    return torch.from_numpy(np.exp(logv).astype(np.float32)).to(tree.token_ids.device)
+
+
+def with_values(tree: DraftTree, values: torch.Tensor) -> DraftTree:
+    """The same tree with its path scores replaced by values [B, N] (what the policies rank on)."""
+    if values.shape != tree.token_ids.shape:
+        raise ValueError(f"values {tuple(values.shape)} do not match the tree {tuple(tree.token_ids.shape)}")
+    log_v = torch.where(tree.valid, values.float().clamp(min=1e-30).log(), torch.full_like(values.float(), -math.inf))
+    return DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs, log_v, tree.valid)
+
+
+def observed_trials(tree: DraftTree, node_idx: torch.Tensor, accepted_nodes: torch.Tensor
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trials a verify step observed: verified nodes whose parent is the root or was accepted.
+
+    Returns (batch row, node idx, depth, accepted 0/1) as flat numpy arrays.
+    """
+    rows, nodes, depths, hits = [], [], [], []
+    parents, depth = tree.parents.cpu().numpy(), tree.depth.cpu().numpy()
+    sel, acc = node_idx.cpu().numpy(), accepted_nodes.cpu().numpy()
+    for b in range(sel.shape[0]):
+        accepted = set(int(a) for a in acc[b] if a >= 0)
+        for v in sel[b]:
+            if v < 0:
+                continue
+            p = int(parents[b, v])
+            if p == -1 or p in accepted:
+                rows.append(b), nodes.append(int(v)), depths.append(int(depth[b, v])), hits.append(int(v) in accepted)
+    as_np = lambda x, t: np.asarray(x, dtype=t)  # noqa: E731
+    return as_np(rows, np.int64), as_np(nodes, np.int64), as_np(depths, np.int64), as_np(hits, np.float64)
+
+
+def accepted_nodes(node_idx: torch.Tensor, accepted_pos: torch.Tensor) -> torch.Tensor:
+    """[B, D] tree idx of accepted nodes from a verify result's layout positions (1-based, -1 pad)."""
+    pos = accepted_pos.clamp(min=1) - 1
+    return torch.where(accepted_pos > 0, node_idx.gather(1, pos) if node_idx.shape[1] else accepted_pos, -1)
+
+
+# ---------------------------------------------------------------------------------------------- isotonic map
+def isotonic_fit(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted pool-adjacent-violators: the non-decreasing fit of y [M] with weights w [M] > 0."""
+    level, weight, size = [], [], []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        level.append(yi), weight.append(wi), size.append(1)
+        while len(level) > 1 and level[-2] > level[-1]:
+            wt = weight[-2] + weight[-1]
+            lv = (level[-2] * weight[-2] + level[-1] * weight[-1]) / wt
+            sz = size[-2] + size[-1]
+            del level[-1], weight[-1], size[-1]
+            level[-1], weight[-1], size[-1] = lv, wt, sz
+    return np.repeat(np.asarray(level), size)
+
+
+@dataclass(frozen=True)
+class CalibrationTable:
+    """Per-depth binned trials of one temperature: the sufficient statistics of the isotonic map."""
+
+    temperature: float
+    trials: tuple[tuple[float, ...], ...]  # [D][M] trials per (depth, local-score bin); depth D+ shares row D
+    accepted: tuple[tuple[float, ...], ...]  # [D][M] accepted trials
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.trials, dtype=np.float64), np.asarray(self.accepted, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Calibrator:
+    """Per-depth monotone maps from a local score in [0, 1] to conditional acceptance.
+
+    `prior_weight` caps the prior's trials per bin, so a request's own observations can
+    move the map within a few steps (the text's predictability changes from prompt to prompt).
+    """
+
+    edges: tuple[float, ...] = DEFAULT_EDGES
+    tables: tuple[CalibrationTable, ...] = ()  # one per calibrated temperature; none = identity prior
+    prior_weight: float = 50.0
+    source: str = "identity"  # where the prior came from (command / data), for the record
+
+    def __post_init__(self) -> None:
+        e = np.asarray(self.edges)
+        if e.ndim != 1 or len(e) < 2 or e[0] != 0.0 or e[-1] != 1.0 or (np.diff(e) <= 0).any():
+            raise ValueError("calibrator bin edges must increase strictly from 0 to 1")
+        for t in self.tables:
+            tr, ac = t.arrays()
+            if tr.ndim != 2 or tr.shape[1] != len(e) - 1 or ac.shape != tr.shape:
+                raise ValueError(f"calibrator table for T={t.temperature} must be [depth, {len(e) - 1}] bins")
+            if (ac < 0).any() or (ac > tr + 1e-9).any():
+                raise ValueError("calibrator table has accepted counts outside [0, trials]")
+        if not self.prior_weight > 0:
+            raise ValueError(f"calibrator prior_weight must be > 0, got {self.prior_weight}")
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.edges) - 1
+
+    def prior_for(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """(trials, accepted) [D, M] of the table nearest in temperature, capped at prior_weight per bin;
+        an identity prior (weight 1, rate = bin centre) where nothing was observed."""
+        centers = self.centers()
+        if not self.tables:
+            return np.ones((1, self.num_bins)), centers[None].copy()
+        table = min(self.tables, key=lambda t: abs(t.temperature - temperature))
+        trials, acc = table.arrays()
+        scale = np.minimum(1.0, self.prior_weight / np.maximum(trials, 1e-12))
+        return trials * scale + 1.0, acc * scale + centers[None]
+
+    def centers(self) -> np.ndarray:
+        e = np.asarray(self.edges)
+        return (e[:-1] + e[1:]) / 2
+
+    def start(self, temperature: float) -> "OnlineCalibration":
+        trials, acc = self.prior_for(temperature)
+        return OnlineCalibration(np.asarray(self.edges), trials, acc)
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": CALIBRATOR_FORMAT, "version": 1, "edges": list(self.edges), "prior_weight": self.prior_weight,
+            "source": self.source,
+            "tables": [{"temperature": t.temperature, "trials": [list(r) for r in t.trials],
+                        "accepted": [list(r) for r in t.accepted]} for t in self.tables],
+        }, indent=1) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "Calibrator":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"value calibrator not found: {path}")
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("format") != CALIBRATOR_FORMAT:
+                raise ValueError(f"format is {raw.get('format')!r}, expected {CALIBRATOR_FORMAT!r}")
+            tables = tuple(CalibrationTable(float(t["temperature"]), tuple(tuple(map(float, r)) for r in t["trials"]),
+                                            tuple(tuple(map(float, r)) for r in t["accepted"])) for t in raw["tables"])
+            return Calibrator(tuple(map(float, raw["edges"])), tables, float(raw["prior_weight"]), str(raw["source"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"value calibrator {path} is malformed: {err}") from None
+
+    @staticmethod
+    def fit(samples: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]], max_depth: int,
+            edges: tuple[float, ...] = DEFAULT_EDGES, prior_weight: float = 50.0, source: str = "") -> "Calibrator":
+        """Prior from observed trials: samples[temperature] = (depth [n], local score [n], accepted [n])."""
+        tables = []
+        for temperature, (depth, score, hit) in sorted(samples.items()):
+            trials, acc = _bin_counts(np.asarray(edges), depth, score, hit, max_depth)
+            tables.append(CalibrationTable(float(temperature), tuple(map(tuple, trials.tolist())),
+                                           tuple(map(tuple, acc.tolist()))))
+        return Calibrator(tuple(edges), tuple(tables), prior_weight, source)
+
+
+def _bin_counts(edges: np.ndarray, depth: np.ndarray, score: np.ndarray, hit: np.ndarray, max_depth: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    M = len(edges) - 1
+    trials, acc = np.zeros((max_depth, M)), np.zeros((max_depth, M))
+    if len(depth):
+        d = np.clip(np.asarray(depth) - 1, 0, max_depth - 1)
+        m = np.clip(np.searchsorted(edges, np.asarray(score, dtype=np.float64), side="right") - 1, 0, M - 1)
+        np.add.at(trials, (d, m), 1.0)
+        np.add.at(acc, (d, m), np.asarray(hit, dtype=np.float64))
+    return trials, acc
+
+
+@dataclass
+class OnlineCalibration:
+    """A calibrator's running state for one request: prior + this request's trials, refit lazily."""
+
+    edges: np.ndarray  # [M+1]
+    trials: np.ndarray  # [D, M]
+    accepted: np.ndarray  # [D, M]
+    _maps: np.ndarray | None = field(default=None, repr=False)  # [D, M] fitted rates (None = stale)
+
+    def maps(self) -> np.ndarray:
+        """[D, M] isotonic conditional-acceptance rate per (depth, bin)."""
+        if self._maps is None:
+            rate = self.accepted / np.maximum(self.trials, 1e-12)
+            self._maps = np.stack([isotonic_fit(r, w) for r, w in zip(rate, self.trials)])
+        return self._maps
+
+    def conditional(self, depth: np.ndarray, score: np.ndarray) -> np.ndarray:
+        """Conditional acceptance of nodes with these depths (>= 1) and local scores, interpolated
+        linearly between bin centres (monotone in the score at every depth)."""
+        maps = self.maps()
+        centers = (self.edges[:-1] + self.edges[1:]) / 2
+        out = np.empty(score.shape, dtype=np.float64)
+        d = np.clip(depth - 1, 0, maps.shape[0] - 1)
+        for k in np.unique(d):
+            sel = d == k
+            out[sel] = np.interp(score[sel], centers, maps[k])
+        return np.clip(out, _MIN_COND, 1.0)
+
+    def update(self, depth: np.ndarray, score: np.ndarray, hit: np.ndarray) -> None:
+        if len(depth) == 0:
+            return
+        D = self.trials.shape[0]
+        if int(depth.max()) > D:  # a deeper tree than the prior covers: new rows start from the last one
+            extra = int(depth.max()) - D
+            self.trials = np.concatenate([self.trials, np.repeat(self.trials[-1:], extra, 0)])
+            self.accepted = np.concatenate([self.accepted, np.repeat(self.accepted[-1:], extra, 0)])
+        t, a = _bin_counts(self.edges, depth, score, hit, self.trials.shape[0])
+        self.trials, self.accepted, self._maps = self.trials + t, self.accepted + a, None
+
+
+# ---------------------------------------------------------------------------------------------- value models
+class RawValues:
+    """Ablation: the raw draft path score as the value (what the policies used before)."""
+
+    name = "raw"
+
+    def for_request(self, sampling: SamplingConfig) -> "RawValues":
+        return self
+
+    def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
+        return tree.scores
+
+    def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
+        return None
+
+
+class LocalScore(Protocol):
+    """Per-node local score in [0, 1] that a calibrator maps to conditional acceptance."""
+
+    def __call__(self, tree: DraftTree, draft, context: list[int] | None) -> torch.Tensor: ...  # [B, N]
+
+
+def draft_prob(tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
+    """The local draft probability q(v): the calibrated value model's local score."""
+    return tree.draft_probs
+
+
+@dataclass(frozen=True)
+class CalibratedValues:
+    """Values = per-depth isotonic map of a local score, composed along the path, updated online.
+
+    With `local=draft_prob` this is the calibrated draft probability; a learned acceptance
+    head plugs in its own local score (and keeps the online correction).
+    """
+
+    calibrator: Calibrator = field(default_factory=Calibrator)
+    local: LocalScore = draft_prob
+    name: str = "calibrated"
+    online: bool = True  # False: the prior only (ablation)
+
+    def for_request(self, sampling: SamplingConfig) -> "_CalibratedRequest":
+        return _CalibratedRequest(self, self.calibrator.start(sampling.temperature))
+
+
+@dataclass
+class _CalibratedRequest:
+    model: CalibratedValues
+    state: OnlineCalibration
+    _last_local: torch.Tensor | None = None  # [B, N] local scores of the last tree valued
+
+    def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
+        local = self.model.local(tree, draft, context).detach().float()
+        self._last_local = local
+        cond = np.ones(tuple(tree.token_ids.shape))
+        valid = tree.valid.cpu().numpy()
+        if valid.any():
+            cond[valid] = self.state.conditional(tree.depth.cpu().numpy()[valid], local.cpu().double().numpy()[valid])
+        return path_values(tree, torch.from_numpy(cond))
+
+    def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
+        if not self.model.online or self._last_local is None or self._last_local.shape != tree.token_ids.shape:
+            return
+        rows, nodes, depth, hit = observed_trials(tree, node_idx, accepted)
+        self.state.update(depth, self._last_local.cpu().double().numpy()[rows, nodes], hit)
