@@ -37,6 +37,8 @@ def test_guard_falls_back_while_speculation_loses_and_probes():
     # The next request starts from what this one measured: plain at once, probes at the learned interval.
     s2 = guard.start()
     assert not s2.speculate() and s2.probe_every == 8
+    s3 = guard.start(greedy=False)  # sampling accepts differently: its own memory, so it measures afresh
+    assert s3.speculate() and s3.probe_every == 2
 
 
 def test_guard_reenables_when_text_becomes_predictable():
@@ -74,7 +76,7 @@ class ScriptedGuard:
     def __init__(self, pattern):
         self.pattern = pattern
 
-    def start(self):
+    def start(self, greedy=True):
         return _Scripted(self.pattern)
 
 

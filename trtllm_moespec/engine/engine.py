@@ -80,7 +80,7 @@ class SpecEngine:
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
-        guard = self.guard.start() if self.guard is not None else None
+        guard = self.guard.start(request.sampling.temperature == 0) if self.guard is not None else None
         if values is not None and isinstance(state, Eagle3State) and self.values.name != "head":
             state.node_values = lambda tree: values.values(tree)  # the drafting stop rule ranks on the same values
         while True:

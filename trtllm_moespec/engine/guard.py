@@ -14,7 +14,8 @@ catches up on the skipped tokens in one forward when drafting resumes) and probe
 speculative step every `probe_every` plain steps; a probe that still loses doubles the
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
 become predictable. Estimates carry over from one request to the next through the
-engine's `GuardMemory`, so a new request starts from what the last ones measured.
+engine's `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently),
+so a new request starts from what the last ones measured.
 
 Lossless: the decision uses only past steps (their outcomes and timings), never the
 current step's random numbers; a plain step is verified by the same rule as `ar`.
@@ -82,17 +83,17 @@ class Guard:
             raise ValueError("the profiled speculate-or-not rule needs a cost table with a plain-step cost "
                              "(re-profile with `moespec profile`)")
         self.config, self.cost_table, self.plain_step_s = config, cost_table, plain_step_s
-        self.memory = GuardMemory()
+        self.memories: dict[bool, GuardMemory] = {}  # keyed by greedy (T = 0) or not
 
-    def start(self) -> "GuardState":
-        return GuardState(self)
+    def start(self, greedy: bool = True) -> "GuardState":
+        return GuardState(self, self.memories.setdefault(bool(greedy), GuardMemory()))
 
 
 class GuardState:
     """One request's speculate-or-not decisions."""
 
-    def __init__(self, guard: Guard):
-        self.guard, self.config, m = guard, guard.config, guard.memory
+    def __init__(self, guard: Guard, memory: GuardMemory):
+        self.guard, self.config, self.memory, m = guard, guard.config, memory, memory
         # Start from the engine's memory, weighted as one observation: this request's own steps dominate soon.
         self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
         self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
@@ -125,7 +126,7 @@ class GuardState:
 
     def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
         """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs)."""
-        w, mem = self.config.weight, self.guard.memory
+        w, mem = self.config.weight, self.memory
         if self.probing:
             w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
         if speculated:

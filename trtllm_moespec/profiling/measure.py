@@ -36,7 +36,7 @@ class ForcedGuard:
     def __init__(self, policy: "ForcedBudget"):
         self.policy = policy
 
-    def start(self) -> "ForcedGuard":
+    def start(self, greedy: bool = True) -> "ForcedGuard":
         return self
 
     def speculate(self) -> bool:
