@@ -67,3 +67,14 @@ def test_stop_rule_on_a_tree_uses_values_and_frontier():
     assert worthless(tree, frontier, 1).tolist() == [True]
     with pytest.raises(ValueError, match="steps"):
         DraftStopRule(table, 0.001, 0)
+
+
+def test_expand_charges_the_frontiers_effective_node_count():
+    # C(k) rises 10 ms per verified node. One dominant frontier node (0.8 of 0.83) is about one node to
+    # verify: 10 ms + the 5 ms forward for +0.83 tokens pays; eight equal nodes would be charged 80 ms.
+    table = torch.tensor([0.030 + 0.010 * k for k in range(17)], dtype=torch.float64)
+    vals = torch.tensor([[0.9] + [0.001] * 7])
+    dominant = torch.tensor([[0.8] + [0.03 / 7] * 7])
+    spread = torch.full((1, 8), 0.83 / 8)
+    assert expand_pays(vals, dominant, table, 1, 0.005).tolist() == [True]
+    assert expand_pays(vals, spread, table, 1, 0.005).tolist() == [False]

@@ -53,6 +53,21 @@ def test_guard_reenables_when_text_becomes_predictable():
     assert s.probe_every == 2
 
 
+def test_measured_guard_measures_plain_steps_itself_and_refreshes_them():
+    # The profile claims a 500 ms plain step; the measured guard does not trust it and measures one.
+    s = Guard(GuardConfig(refresh_every=3), cost_table=(0.03,) * 9, plain_step_s=0.5).start()
+    assert s.speculate()
+    _feed(s, True, 3, 0.030)
+    assert not s.speculate()  # plain cost unknown to the guard: measure it
+    _feed(s, False, 1, 0.020)  # 50 tok/s plain vs 100 tok/s speculative
+    decisions = []
+    for _ in range(8):
+        d = s.speculate()
+        decisions.append(d)
+        _feed(s, d, 3 if d else 1, 0.030 if d else 0.020)
+    assert decisions == [True, True, True, False, True, True, True, False]  # a plain re-measure every 3 spec steps
+
+
 def test_profiled_rule_uses_the_cost_table_not_wall_time():
     table = tuple(0.030 + 0.001 * k for k in range(9))
     guard = Guard(GuardConfig(measured=False), cost_table=table, plain_step_s=0.010)

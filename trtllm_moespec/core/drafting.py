@@ -11,7 +11,12 @@ to decisions the selection policies never see:
   node is accepted, so the expected accepted children of v are <= value(v), and the
   values of one depth sum to <= 1. Expand only when that gain, over the forward's
   cost plus the verify cost of the extra nodes, beats the best rate the tree already
-  offers (max_k (1 + S_k) / C(k), with C(k) credited for the forwards not run).
+  offers (max_k (1 + S_k) / C(k), with C(k) credited for the forwards not run). The
+  extra nodes are counted as the frontier's effective number, G / max value (about one
+  when one child dominates): charging every frontier node's verification would stop
+  drafting at depth 1 even when a single likely chain would pay. (A lookahead over
+  several levels adds nothing here: with per-level gains that shrink, if one level
+  cannot pay, more cannot either.)
 - `DraftStopRule`: `expand_pays` packaged as the callable the EAGLE-3 drafting loop
   consults (`models/eagle3_draft.py`).
 
@@ -84,9 +89,10 @@ def expand_pays(sorted_values: torch.Tensor, frontier_values: torch.Tensor, cost
     rows = np.arange(B)
     best_rate = utility[rows, k_star]
     gain = front.sum(1)
-    k_next = np.minimum(k_star + (front > 0).sum(1), K)
+    effective = np.maximum(np.round(gain / np.maximum(front.max(1, initial=0.0), 1e-12)), 1).astype(np.int64)
+    k_next = np.minimum(k_star + effective, K)
     next_cost = now[k_next] + draft_forward_s
-    return torch.from_numpy((1.0 + cu[rows, k_star] + gain) / next_cost > best_rate)
+    return torch.from_numpy(((1.0 + cu[rows, k_star] + gain) / next_cost > best_rate) & (gain > 0))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ The answer is `core.drafting.speculation_pays` on running estimates:
 - tokens a speculative step commits (EWMA over this request's speculative steps:
   realized acceptance is the best estimate of the selected nodes' value, at T=0 and T>0);
 - seconds of a speculative step and of a plain step: with `measured=True` (the goodput
-  guard) the wall time of this request's own steps, else the profiled costs
-  (`C(k)` of the verified size, and the profile's plain step): the k = 0 rule alone.
+  guard) the wall time of this request's own steps (a profile's plain-step time is not
+  trusted: it is measured, first after one speculative step, then again every
+  `refresh_every` speculative steps, since the machine's load changes), else the
+  profiled costs (`C(k)` of the verified size, and the profile's plain step): the k = 0
+  rule alone.
 
 While speculation loses the request decodes plainly (no drafter forward: the drafter
 catches up on the skipped tokens in one forward when drafting resumes) and probes a
@@ -36,6 +39,7 @@ class GuardConfig:
     measured: bool = True  # goodput guard: wall time of this request's steps (False: profiled costs only)
     probe_every: int = 8  # plain steps between speculative probes while speculation loses
     max_probe_every: int = 64  # cap of the doubling probe interval
+    refresh_every: int = 32  # speculative steps between plain steps that re-measure the plain cost
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
 
@@ -98,10 +102,11 @@ class GuardState:
         self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
         self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
         self.plain_s = Ewma(m.plain_s.value, min(m.plain_s.count, 1))
-        if not self.plain_s.known and guard.plain_step_s is not None:
+        if not self.config.measured:  # the profiled rule: the profile's plain step, never wall time
             self.plain_s = Ewma(guard.plain_step_s, 1)
         self.probe_every = m.probe_every or self.config.probe_every
         self.since_spec = 0  # plain steps since the last speculative one
+        self.since_plain = 0  # speculative steps since the last plain one
         self.probing = False  # the pending speculative step is a probe
         self.num_plain = 0
         self.num_probes = 0
@@ -120,7 +125,8 @@ class GuardState:
             return not self.spec_s.known or self.plain_s.known
         if pays:
             self.probing = False
-            return True
+            # While speculating, now and then measure a plain step again: the machine's load changes.
+            return not (self.config.measured and self.since_plain >= self.config.refresh_every)
         self.probing = self.since_spec >= self.probe_every
         return self.probing
 
@@ -142,11 +148,13 @@ class GuardState:
                                                                            self.config.max_probe_every)
                 mem.probe_every = self.probe_every
             self.since_spec = 0
+            self.since_plain += 1
         else:
             cost = seconds if self.config.measured else float(self.guard.plain_step_s)
             self.plain_s.update(cost, w)
             mem.plain_s.update(cost, w)
             self.since_spec += 1
+            self.since_plain = 0
             self.num_plain += 1
         self.probing = False
 
