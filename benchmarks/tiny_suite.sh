@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 moespec profile --model moespec-tiny --repeats 40 --out "$SHIPPED" ${PROFILE_FLAGS:-} | tee "$OUT/profile.txt"
 cp "$SHIPPED" "$OUT/cost_profile.json"
 moespec bench --model moespec-tiny --datasets humaneval,mt_bench,gsm8k \
-  --methods ar,lookahead,eagle3,ddd,coverage,evict,ecospec,joint --guard-ablation evict,joint --temperature 0,1 \
+  --methods ar,eagle3,ddd,coverage,evict,ecospec,joint --guard-ablation evict,joint --temperature 0,1 \
   --num-prompts 8 --max-tokens 64 --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 if [ -z "${SKIP_ABLATIONS:-}" ]; then
   moespec bench --model moespec-tiny --datasets humaneval --methods ar,eagle3,ecospec,joint,coverage --temperature 0 \
