@@ -74,7 +74,7 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
     spec = load_engine_spec(out)
     assert [p.verify_length for p in spec.profiles] == [4, 8, 16, 32]
     assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
-    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0rc0,<2.0.0"  # the default line: dynamic tree
+    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0.dev0,<2.0.0"  # the default line: dynamic tree
     preset = PRESETS[name]
     for p in spec.profiles:
         options = yaml.safe_load((out / p.options_yaml).read_text())
@@ -209,9 +209,56 @@ def test_policy_ddd_and_eager_policies_and_the_1_2_line(dirs, capsys):
     assert "cuda_graph_config: null" in (tmp / "cov" / "README.md").read_text()
     assert run(common + ["--policy", "eagle3", "--trtllm-line", "1.2", "--out", tmp / "old"], capsys)[0] == 0
     spec = load_engine_spec(tmp / "old")
-    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0"
+    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0.dev0"
     for p in spec.profiles:
         sc = yaml.safe_load((tmp / "old" / p.options_yaml).read_text())["speculative_config"]
         assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == sc["max_total_draft_tokens"] == p.verify_length
     assert run(common + ["--policy", "eagle3", "--topk", "1", "--steps", "16", "--max-draft-tokens", "16", "--out", tmp / "k1"], capsys)[0] == 0
     assert load_engine_spec(tmp / "k1").mode == "chain"  # topK 1 is linear on main (_is_effective_dynamic_tree)
+
+
+def _cli(*args, cwd=None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", "trtllm_moespec.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(repo)})
+
+
+def test_cli_build_rejects_a_foreign_drafter_in_one_line(dirs):
+    """issue 13, the real command: `moespec build --model qwen3-30b-a3b --draft-model <target dir> --dry-run`."""
+    tmp, drafts, ckpts = dirs
+    for draft in (ckpts["qwen3-30b-a3b"], drafts["gpt-oss-120b"]):
+        run_ = _cli("build", "--model", "qwen3-30b-a3b", "--checkpoint", ckpts["qwen3-30b-a3b"], "--draft-model", draft,
+                    "--out", tmp / "x", "--dry-run")
+        assert run_.returncode == 2 and run_.stderr.startswith("moespec build: error: draft model")
+        assert run_.stderr.strip().count("\n") == 0 and not (tmp / "x").exists()
+
+
+def test_cli_triton_repo_has_a_description_and_prefixed_errors(tmp_path):
+    helped = _cli("triton-repo", "--help")
+    assert helped.returncode == 0 and "Triton Inference Server model repository" in helped.stdout
+    failed = _cli("triton-repo", "--engine-dir", tmp_path / "none", "--out", tmp_path / "r")
+    assert failed.returncode == 2 and failed.stderr.startswith("moespec triton-repo: error:")
+    assert failed.stderr.strip().count("\n") == 0
+
+
+def test_readme_build_line_runs_as_written(dirs, tmp_path):
+    """The README's `moespec build` line (with --dry-run appended and the placeholders filled) works."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    tmp, drafts, ckpts = dirs
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("moespec build"))
+    assert "--checkpoint" in line and "--dry-run" in readme
+    args = shlex.split(line)[2:]
+    fill = {"CKPT": ckpts["gpt-oss-120b"], "DRAFT": drafts["gpt-oss-120b"], "E": tmp_path / "E"}
+    args = [str(fill.get(a, a)) for a in args]
+    assert not [a for a in args if re.fullmatch(r"[A-Z]+", a)], f"unfilled placeholders in {line!r}"
+    run_ = _cli("build", *args, "--dry-run")
+    assert run_.returncode == 0, run_.stderr

@@ -14,31 +14,53 @@ import torch
 
 from tests.backends.test_buffers import fill_history, random_draft
 from trtllm_moespec.backends.trtllm.buffers import default_resampling, selected_parent_positions
-from trtllm_moespec.backends.trtllm.version import UnsupportedTensorRTLLMVersion, check_version, is_supported
+from trtllm_moespec.backends.trtllm.version import (UnsupportedTensorRTLLMVersion, check_effective_draft_tokens,
+                                                    check_engine_mode, supported_mode)
 from trtllm_moespec.backends.trtllm.worker import (
     WorkerSettings,
     install,
     make_selector,
     moespec_resampling,
     uninstall,
+    wants_dynamic_tree,
 )
+
+TREE_VERSION = "1.3.0rc9"  # a dynamic-tree line version (with the module present)
 
 
 @pytest.mark.parametrize(
-    "version,ok", [("1.2.0", True), ("1.2.7", True), ("1.2.0.post1", True), ("1.2.0rc2", False), ("1.1.0", False), ("1.3.0", False), ("0.21.0", False)]
+    "version,has_module,mode",
+    [("1.2.0", False, "chain"), ("1.2.7", False, "chain"), ("1.2.0.post1", False, "chain"),
+     ("1.3.0rc9", True, "tree"), ("1.3.2", True, "tree"), ("1.3.0rc4", False, None), ("1.2.0rc2", False, None),
+     ("1.1.0", False, None), ("2.0.0", True, None), ("0.21.0", False, None)],
 )
-def test_version_range(version, ok):
-    assert is_supported(version) is ok
-    if ok:
-        assert check_version(version) == version
+def test_version_policy(version, has_module, mode):
+    """1.2.x: linear only; the dynamic tree needs a 1.3+ build that has eagle3_dynamic_tree (PR #13081)."""
+    if mode is None:
+        with pytest.raises(UnsupportedTensorRTLLMVersion, match=version.replace(".", "\\.")):
+            supported_mode(version, has_module)
     else:
-        with pytest.raises(UnsupportedTensorRTLLMVersion, match="not supported by trtllm_moespec"):
-            check_version(version)
+        assert supported_mode(version, has_module) == mode
+        assert check_engine_mode("chain", version, has_module) == version
 
 
-def test_invalid_version_string():
+def test_tree_engine_on_1_2_names_the_version_and_what_to_do():
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="1.2.3 does not have.*--trtllm-line 1.2"):
+        check_engine_mode("tree", "1.2.3", False)
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="lacks .*eagle3_dynamic_tree.*#13081"):
+        check_engine_mode("tree", "1.3.0rc4", False)
     with pytest.raises(UnsupportedTensorRTLLMVersion, match="not a valid version"):
-        check_version("nightly")
+        check_engine_mode("tree", "nightly", True)
+
+
+def test_effective_draft_tokens_must_equal_the_profile():
+    class Cfg:
+        max_total_draft_tokens, max_draft_len = 4, 4  # what 1.2.x leaves of a tree profile (v=16, steps=4)
+
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="max_total_draft_tokens=4"):
+        check_effective_draft_tokens(Cfg(), 16, 4)
+    Cfg.max_total_draft_tokens = 16
+    check_effective_draft_tokens(Cfg(), 16, 4)
 
 
 class _Mode:
@@ -50,12 +72,13 @@ class _Mode:
 
 
 class _SpecConfig:
-    def __init__(self, dynamic, eagle3=True):
+    def __init__(self, dynamic, eagle3=True, topk=8):
         self.spec_dec_mode = _Mode(eagle3)
         self.use_dynamic_tree = dynamic
+        self.dynamic_tree_max_topK = topk
 
 
-def _fake_trtllm(monkeypatch, version="1.2.1", history=None, verify_length=8):
+def _fake_trtllm(monkeypatch, version=TREE_VERSION, history=None, verify_length=8, with_dynamic_tree=True):
     """Register tensorrt_llm, ._torch.speculative(.utils, .eagle3_dynamic_tree), ._torch.models.modeling_speculative."""
     names = [
         "tensorrt_llm",
@@ -72,6 +95,7 @@ def _fake_trtllm(monkeypatch, version="1.2.1", history=None, verify_length=8):
     class Eagle3OneModelDynamicTreeWorker:
         def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
             self.spec_config, self.mapping, self.separate = spec_config, mapping, use_separate_draft_kv_cache
+            history.validate()
             self.K, self.max_draft_len = history.topk, history.max_draft_len
             self.max_total_draft_tokens = verify_length
             self.history_draft_tokens_buffer = history.draft_tokens
@@ -87,13 +111,17 @@ def _fake_trtllm(monkeypatch, version="1.2.1", history=None, verify_length=8):
             self.spec_config = spec_config
 
     def get_spec_worker(spec_config, model_config, mapping, use_separate_draft_kv_cache: bool = False):
-        if spec_config.spec_dec_mode.is_eagle3_one_model() and spec_config.use_dynamic_tree:
+        # main's dispatch: use_dynamic_tree and topK >= 2 (_is_effective_dynamic_tree, PR #15842)
+        if (spec_config.spec_dec_mode.is_eagle3_one_model() and spec_config.use_dynamic_tree
+                and spec_config.dynamic_tree_max_topK > 1):
             return Eagle3OneModelDynamicTreeWorker(spec_config, mapping, use_separate_draft_kv_cache)
         return LinearWorker(spec_config, mapping)
 
     mods["tensorrt_llm._torch.speculative.eagle3_dynamic_tree"].Eagle3OneModelDynamicTreeWorker = Eagle3OneModelDynamicTreeWorker
     for n in ("tensorrt_llm._torch.speculative.utils", "tensorrt_llm._torch.speculative", "tensorrt_llm._torch.models.modeling_speculative"):
         setattr(mods[n], "get_spec_worker", get_spec_worker)
+    if not with_dynamic_tree:
+        del mods["tensorrt_llm._torch.speculative.eagle3_dynamic_tree"]
     for n, m in mods.items():
         monkeypatch.setitem(sys.modules, n, m)
     return mods, get_spec_worker, Eagle3OneModelDynamicTreeWorker
@@ -132,17 +160,43 @@ def test_install_swaps_worker_everywhere_and_uninstall_restores(monkeypatch):
     assert mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker is original
 
 
-def test_install_refuses_unsupported_version_and_expert_policies(monkeypatch):
+def test_install_refuses_1_2_with_a_clear_error_and_checks_policies(monkeypatch):
+    """On 1.2.x the dynamic-tree module does not exist: one clear error, not ModuleNotFoundError."""
     history = fill_history(*random_draft(1, 2, 2, seed=1))
-    mods, original, _ = _fake_trtllm(monkeypatch, version="1.1.0", history=history, verify_length=2)
-    with pytest.raises(UnsupportedTensorRTLLMVersion, match="1.1.0 is not supported"):
+    mods, original, _ = _fake_trtllm(monkeypatch, version="1.2.1", history=history, verify_length=2,
+                                     with_dynamic_tree=False)
+    monkeypatch.delitem(sys.modules, "tensorrt_llm._torch.speculative.eagle3_dynamic_tree", raising=False)
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="tensorrt_llm 1.2.1 does not have"):
         install(WorkerSettings(policy="eagle3"))
     assert mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker is original
-    mods["tensorrt_llm"].__version__ = "1.2.0"
-    with pytest.raises(ValueError, match="per-node expert predictions"):
-        install(WorkerSettings(policy="joint"))
+    with pytest.raises(UnsupportedTensorRTLLMVersion, match="1.1.0 is not supported"):
+        install(WorkerSettings(policy="eagle3"), version="1.1.0")
+    with pytest.raises(ValueError, match="cannot run inside the TensorRT-LLM worker"):
+        make_selector(WorkerSettings(policy="oracle"), 8)
     with pytest.raises(ValueError, match="cost_profile"):
         make_selector(WorkerSettings(policy="evict"), 8)
+    with pytest.raises(ValueError, match="expert predictor"):
+        make_selector(WorkerSettings(policy="ecospec"), 8)
+
+
+def test_top_k_1_keeps_the_linear_worker_like_main(monkeypatch):
+    """Main routes dynamic_tree_max_topK < 2 to the linear worker for worker, metadata and resource
+    manager alike (_is_effective_dynamic_tree): ours must not build a tree worker there."""
+    assert wants_dynamic_tree(_SpecConfig(dynamic=True, topk=8))
+    assert not wants_dynamic_tree(_SpecConfig(dynamic=True, topk=1))
+    assert not wants_dynamic_tree(_SpecConfig(dynamic=True, eagle3=False))
+
+    class Utils:  # when the installed utils has the helper, its answer wins
+        @staticmethod
+        def _is_effective_dynamic_tree(cfg):
+            return False
+
+    assert not wants_dynamic_tree(_SpecConfig(dynamic=True, topk=8), Utils)
+    history = fill_history(*random_draft(1, 2, 2, seed=1))
+    mods, _, _ = _fake_trtllm(monkeypatch, history=history, verify_length=2)
+    install(WorkerSettings(policy="eagle3"))
+    factory = mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker
+    assert type(factory(_SpecConfig(dynamic=True, topk=1), None, None)).__name__ == "LinearWorker"
 
 
 def test_coverage_selection_is_padded_and_parent_closed():

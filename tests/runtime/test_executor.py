@@ -11,7 +11,8 @@ import pytest
 from trtllm_moespec.backends.trtllm.config import load_engine_spec
 from trtllm_moespec.backends.trtllm.version import trtllm_available
 from trtllm_moespec.runtime import Executor
-from trtllm_moespec.runtime.executor import acceptance_stats, choose_backend, pytorch_llm_kwargs, trtllm_worker_policy
+from trtllm_moespec.backends.trtllm.reach import worker_policy as trtllm_worker_policy
+from trtllm_moespec.runtime.executor import acceptance_stats, choose_backend, pytorch_llm_kwargs
 
 TINY = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"
 

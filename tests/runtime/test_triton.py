@@ -73,6 +73,20 @@ def test_parse_request_reads_llmapi_tensor_names():
         ({"sampling_param_max_tokens": np.array([1, 2], dtype=np.int32)}, "one value"),
         ({"sampling_param_max_tokens": np.array([0], dtype=np.int32)}, "bad sampling parameters"),
         ({"sampling_param_top_p": np.array([0.0], dtype=np.float32)}, "bad sampling parameters"),
+        # issue 11 item 7: wrong dtypes are errors, never coerced
+        ({"text_input": np.array([5], dtype=np.int32)}, "text_input must be BYTES"),
+        ({"sampling_param_max_tokens": np.array([5.9], dtype=np.float32)}, "must be an integer tensor"),
+        ({"sampling_param_max_tokens": np.array([b"5"], dtype=np.object_)}, "must be an integer tensor"),
+        ({"sampling_param_temperature": np.array([b"0.5"], dtype=np.object_)}, "must be a floating-point tensor"),
+        ({"sampling_param_temperature": np.array([1], dtype=np.int32)}, "must be a floating-point tensor"),
+        ({"streaming": np.array([1], dtype=np.int32)}, "must be a BOOL tensor"),
+        ({"text_input": np.array([b"\xff\xfe bad"], dtype=np.object_)}, "not valid UTF-8"),
+        ({"sampling_param_stop": np.array([b"ok", b"\xc3"], dtype=np.object_)}, "sampling_param_stop is not valid UTF-8"),
+        ({"sampling_param_temperature": np.array([np.nan], dtype=np.float32)}, "must be finite"),
+        ({"sampling_param_top_p": np.array([np.inf], dtype=np.float32)}, "must be finite"),
+        ({"text_input": np.array([b""], dtype=np.object_)}, "text_input holds an empty string"),
+        ({"sampling_param_stop": np.array([b""], dtype=np.object_)}, "sampling_param_stop holds an empty string"),
+        ({"sampling_param_top_k": np.array([-1], dtype=np.int32)}, "bad sampling parameters"),
     ],
 )
 def test_malformed_requests_become_error_responses(inputs, message):
@@ -95,6 +109,78 @@ def test_response_carries_text_and_acceptance_stats():
     assert math.isnan(response_stats(ExecutorOutput("", [], ExecutorStats(math.nan, math.nan, 0))).acceptance_rate)
 
 
+class _Event:
+    def __init__(self, text="", output=None):
+        self.text, self.output = text, output
+
+
+def _load_model(engine_dir, tmp_path, monkeypatch, name, decoupled=True):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    repo = tmp_path / name
+    args = ["--engine-dir", str(engine_dir), "--out", str(repo)] + (["--decoupled"] if decoupled else [])
+    assert triton_repo_main(args) == 0
+    spec = importlib.util.spec_from_file_location(f"moespec_{name}", repo / "moespec" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, repo
+
+
+def test_decoupled_streams_chunks_and_answers_each_request_when_it_finishes(engine_dir, tmp_path, monkeypatch):
+    module, _ = _load_model(engine_dir, tmp_path, monkeypatch, "stream")
+    model = module.TritonPythonModel()
+    model.decoupled = True
+    requests = [_request(streaming=np.array([True])), _request(text_input=np.array([b"abc"], dtype=np.object_)),
+                _request(sampling_param_max_tokens=np.array([1.5], dtype=np.float32))]
+    seen = []
+
+    def stream(params):
+        # when the second request starts, the first has already been answered in full
+        seen.append([len(r.sender.sent) for r in requests])
+        yield _Event(" one")
+        yield _Event(" two")
+        yield _Event(output=_output(text=params.prompt + " one two"))
+
+    model._stream = stream
+    assert model.execute(requests) is None
+    assert seen == [[0, 0, 0], [3, 0, 0]]
+    first = requests[0].sender.sent
+    assert [f for _, f in first] == [0, 0, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
+    assert [r.tensor("text_output")[0] for r, _ in first[:2]] == [b" one", b" two"]
+    assert first[2][0].tensor("text_output")[0] == b"def f(x): one two" and first[2][0].tensor("verified_tokens")
+    (only, flags), = requests[1].sender.sent  # not streaming: one final response
+    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and only.tensor("text_output")[0] == b"abc one two"
+    (bad, flags), = requests[2].sender.sent
+    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and "must be an integer tensor" in bad.error.message()
+
+
+def test_llm_config_path_selects_the_model_yaml(engine_dir, tmp_path, monkeypatch):
+    """As TensorRT-LLM's llmapi model: $LLM_CONFIG_PATH (relative to the version dir) replaces model.yaml."""
+    module, repo = _load_model(engine_dir, tmp_path, monkeypatch, "cfgpath", decoupled=False)
+    alt = yaml.safe_load((repo / "moespec" / "1" / "model.yaml").read_text())
+    alt["triton_config"] = {"max_batch_size": 4, "decoupled": True}
+    (repo / "moespec" / "1" / "alt.yaml").write_text(yaml.safe_dump(alt))
+    monkeypatch.setenv("LLM_CONFIG_PATH", "alt.yaml")
+    cfg = module.TritonPythonModel.auto_complete_config(pb.AutoCompleteConfig())
+    assert cfg.policy == {"decoupled": True} and cfg.max_batch_size == 4
+
+
+def test_non_leader_ranks_do_not_build_an_executor(engine_dir, tmp_path, monkeypatch):
+    """Rank 1 of 2 (PyTorch backend here) must not build a second engine; rank 0 builds it with the world size."""
+    import trtllm_moespec.runtime.triton_model as tm
+
+    module, _ = _load_model(engine_dir, tmp_path, monkeypatch, "ranks", decoupled=False)
+    built = []
+    monkeypatch.setattr("trtllm_moespec.runtime.executor.Executor.__init__",
+                        lambda self, *a, **k: built.append(k.get("world_size")))
+    monkeypatch.setattr(tm, "mpi_rank_and_size", lambda: (1, 2))
+    model = module.TritonPythonModel()
+    model.initialize({})
+    assert model.executor is None and built == []
+    monkeypatch.setattr(tm, "mpi_rank_and_size", lambda: (0, 1))
+    module.TritonPythonModel().initialize({})
+    assert built == [1]
+
+
 def test_execute_decoupled_sends_final_responses(engine_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     repo = tmp_path / "repo"
@@ -104,7 +190,7 @@ def test_execute_decoupled_sends_final_responses(engine_dir, tmp_path, monkeypat
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
     model.decoupled = True
-    model._generate = lambda params: _output(text=params.prompt.upper())
+    model._stream = lambda params: iter([_Event(output=_output(text=params.prompt.upper()))])
     requests = [_request(), _request(text_input=np.array([b"abc"], dtype=np.object_))]
     assert model.execute(requests) is None
     (first, flags), = requests[0].sender.sent

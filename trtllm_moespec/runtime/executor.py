@@ -18,11 +18,10 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
 from ..backends.trtllm.version import trtllm_available
-from ..backends.trtllm.reach import worker_policy as trtllm_worker_policy  # noqa: F401 (re-exported)
 
 log = logging.getLogger("trtllm_moespec.runtime")
 
@@ -80,6 +79,17 @@ def acceptance_stats(num_tokens: int, accepted_draft_tokens: int, draft_tokens: 
     return ExecutorStats(num_tokens / steps, draft_tokens / steps, steps)
 
 
+class ExecutorBackend(Protocol):
+    """What the Executor (and the Triton model through it) needs from a backend. The PyTorch
+    engine and TensorRT-LLM each implement it; a batched engine can replace `_PytorchBackend`."""
+
+    def generate(self, prompts: Sequence[str], params: Any) -> list[Any]: ...
+
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
 class _PytorchBackend:
     def __init__(self, spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None):
         import trtllm_moespec
@@ -90,6 +100,9 @@ class _PytorchBackend:
 
     def generate(self, prompts: Sequence[str], params: Any) -> list[Any]:
         return self.llm.generate(list(prompts), params)
+
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]:
+        return self.llm.stream(prompt, params)
 
     def shutdown(self) -> None:
         pass
@@ -141,6 +154,13 @@ class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines
             outputs.append(ExecutorOutput(completion.text, ids, acceptance_stats(len(ids), accepted, drafted)))
         return outputs
 
+    def stream(self, prompt: str, params: Any) -> Iterator[Any]:
+        """One final event (token streaming through TensorRT-LLM's async API is not wired yet)."""
+        from ..api import StreamEvent
+
+        (output,) = self.generate([prompt], params)
+        yield StreamEvent(output.token_ids, output.text, output)
+
     def shutdown(self) -> None:
         self.llm.shutdown()
 
@@ -157,7 +177,7 @@ class Executor:
         if self.backend == "tensorrt_llm":
             log.warning("MoESpec executor: running %s on TensorRT-LLM (policy %s, %s mode)",
                         self.engine_dir, self.spec.policy, self.spec.mode)
-            self._impl = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
+            self._impl: ExecutorBackend = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
@@ -171,6 +191,14 @@ class Executor:
 
             sampling_params = SamplingParams()
         return self._impl.generate(prompts, sampling_params)
+
+    def stream(self, prompt: str, sampling_params: Any = None) -> Iterator[Any]:
+        """Stream one prompt: events with `.text` chunks, the last one carrying `.output`."""
+        if sampling_params is None:
+            from .. import SamplingParams
+
+            sampling_params = SamplingParams()
+        return self._impl.stream(prompt, sampling_params)
 
     def shutdown(self) -> None:
         self._impl.shutdown()

@@ -11,13 +11,16 @@ decoupled, applied in auto_complete_config as TensorRT-LLM does).
 
 Request parsing and response building are plain functions taking the
 `triton_python_backend_utils` module as an argument, so tests run them with a
-stand-in. Our engine has no token streaming yet: a streaming request gets its
-whole completion in one final response.
+stand-in. In decoupled mode a streaming request gets one response per committed
+chunk and then a final one (full text, statistics, final flag); every request is
+answered as soon as it finishes. Inputs are checked by dtype and shape: a wrong dtype,
+a BYTES scalar, bad UTF-8, NaN or an empty string gets one error response.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,14 +28,15 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-# (input name, dtype it is read as, RequestParams field, default)
+# (input name, numpy dtype kind accepted, Python type, RequestParams field). Kinds: "iu" integers,
+# "f" floats, "b" bool. A wrong dtype is an error (never coerced: FP32 5.9 is not 5 tokens).
 SCALAR_INPUTS = (
-    ("sampling_param_max_tokens", int, "max_tokens", 64),
-    ("sampling_param_temperature", float, "temperature", 0.0),
-    ("sampling_param_top_p", float, "top_p", 1.0),
-    ("sampling_param_top_k", int, "top_k", 0),
-    ("sampling_param_seed", int, "seed", None),
-    ("streaming", bool, "streaming", False),
+    ("sampling_param_max_tokens", "iu", int, "max_tokens"),
+    ("sampling_param_temperature", "f", float, "temperature"),
+    ("sampling_param_top_p", "f", float, "top_p"),
+    ("sampling_param_top_k", "iu", int, "top_k"),
+    ("sampling_param_seed", "iu", int, "seed"),
+    ("streaming", "b", bool, "streaming"),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING"),
@@ -65,40 +69,62 @@ class ResponseStats:
     acceptance_rate: float  # accepted / drafted draft tokens
 
 
-def _strings(array: np.ndarray) -> list[str]:
-    return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in array.reshape(-1)]
+def _strings(pb_utils: Any, name: str, array: np.ndarray) -> list[str]:
+    """UTF-8 strings of a BYTES tensor; TritonModelException for another dtype, bad UTF-8 or empty strings."""
+    if array.dtype.kind not in "OSU":
+        raise pb_utils.TritonModelException(f"input {name} must be BYTES (TYPE_STRING), got dtype {array.dtype}")
+    values = []
+    for x in array.reshape(-1):
+        if isinstance(x, bytes):
+            try:
+                x = x.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise pb_utils.TritonModelException(f"input {name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        elif not isinstance(x, str):
+            raise pb_utils.TritonModelException(f"input {name} must hold strings, got {type(x).__name__}")
+        if x == "":
+            raise pb_utils.TritonModelException(f"input {name} holds an empty string")
+        values.append(x)
+    return values
 
 
-def _scalar(pb_utils: Any, request: Any, name: str, cast: type) -> Any:
+def _scalar(pb_utils: Any, request: Any, name: str, kinds: str, cast: type) -> Any:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     array = tensor.as_numpy()
     if array.size != 1:
         raise pb_utils.TritonModelException(f"input {name} must hold one value, got shape {array.shape}")
-    return cast(array.reshape(-1)[0].item())
+    if array.dtype.kind not in kinds:
+        wanted = {"iu": "an integer", "f": "a floating-point", "b": "a BOOL"}[kinds]
+        raise pb_utils.TritonModelException(f"input {name} must be {wanted} tensor, got dtype {array.dtype}")
+    value = cast(array.reshape(-1)[0].item())
+    if isinstance(value, float) and not math.isfinite(value):
+        raise pb_utils.TritonModelException(f"input {name} must be finite, got {value}")
+    return value
 
 
 def parse_request(pb_utils: Any, request: Any) -> RequestParams:
-    """RequestParams from a Triton request; TritonModelException on malformed input."""
+    """RequestParams from a Triton request; TritonModelException (one line) on malformed input."""
     text = pb_utils.get_input_tensor_by_name(request, "text_input")
     if text is None:
         raise pb_utils.TritonModelException("request has no text_input")
-    prompts = _strings(text.as_numpy())
+    prompts = _strings(pb_utils, "text_input", text.as_numpy())
     if len(prompts) != 1:
         raise pb_utils.TritonModelException(f"text_input must hold one prompt (no batching), got {len(prompts)}")
     values: dict[str, Any] = {"prompt": prompts[0]}
-    for name, cast, key, _default in SCALAR_INPUTS:
-        value = _scalar(pb_utils, request, name, cast)
+    for name, kinds, cast, key in SCALAR_INPUTS:
+        value = _scalar(pb_utils, request, name, kinds, cast)
         if value is not None:
             values[key] = value
     stop = pb_utils.get_input_tensor_by_name(request, "sampling_param_stop")
     if stop is not None:
-        values["stop"] = _strings(stop.as_numpy())
+        values["stop"] = _strings(pb_utils, "sampling_param_stop", stop.as_numpy())
     params = RequestParams(**values)
-    if params.max_tokens < 1 or params.temperature < 0 or not 0 < params.top_p <= 1:
+    if params.max_tokens < 1 or params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
         raise pb_utils.TritonModelException(
-            f"bad sampling parameters: max_tokens={params.max_tokens}, temperature={params.temperature}, top_p={params.top_p}")
+            f"bad sampling parameters: max_tokens={params.max_tokens}, temperature={params.temperature}, "
+            f"top_p={params.top_p}, top_k={params.top_k}")
     return params
 
 
@@ -114,6 +140,16 @@ def response_stats(output: Any) -> ResponseStats:
     accepted = int(round(n - steps))
     drafted = int(round(verified * steps))
     return ResponseStats(mat, verified, accepted, drafted, accepted / drafted if drafted else math.nan)
+
+
+def text_response(pb_utils: Any, text: str) -> Any:
+    """A streamed chunk: text_output only."""
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))])
+
+
+def error_response(pb_utils: Any, error: Exception) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(error).__name__}: {error}"))
 
 
 def build_response(pb_utils: Any, output: Any) -> Any:
@@ -135,7 +171,43 @@ def handle_request(pb_utils: Any, request: Any, generate: Callable[[RequestParam
     try:
         return build_response(pb_utils, generate(parse_request(pb_utils, request)))
     except Exception as e:  # noqa: BLE001 - every failure must reach the client as a response
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
+        return error_response(pb_utils, e)
+
+
+def serve_decoupled(pb_utils: Any, request: Any, stream: Callable[[RequestParams], Any]) -> None:
+    """Decoupled mode, one request: a response per committed chunk when streaming, then the final
+    response (full text and statistics) with the final flag; errors become one final error response."""
+    sender = request.get_response_sender()
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    try:
+        params = parse_request(pb_utils, request)
+        output = None
+        for event in stream(params):
+            if event.output is not None:
+                output = event.output
+            elif params.streaming and event.text:
+                sender.send(text_response(pb_utils, event.text))
+        if output is None:
+            raise RuntimeError("the engine ended the stream without a final output")
+        sender.send(build_response(pb_utils, output), flags=final)
+    except Exception as e:  # noqa: BLE001 - every failure must reach the client as a response
+        sender.send(error_response(pb_utils, e), flags=final)
+
+
+def mpi_rank_and_size() -> tuple[int, int]:
+    """(rank, size) of the MPI world Triton was started in (mpi4py when present, else (0, 1))."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0, 1
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def model_config_path(default: str | Path) -> Path:
+    """The model.yaml to read: $LLM_CONFIG_PATH (relative to the model version directory) if set, as
+    TensorRT-LLM's llmapi Triton model does, else `default`."""
+    override = os.environ.get("LLM_CONFIG_PATH")
+    return Path(default) if not override else Path(default).parent / override
 
 
 def load_model_yaml(path: str | Path) -> dict[str, Any]:
@@ -149,13 +221,18 @@ def load_model_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def make_triton_model(model_yaml: str | Path) -> type:
-    """The TritonPythonModel class for a repository whose model.yaml is `model_yaml`."""
+    """The TritonPythonModel class for a repository whose model.yaml is `model_yaml`.
+
+    Under mpirun (the Triton server started on every rank, as for TensorRT-LLM's llmapi
+    model) rank 0 builds the Executor with an `MpiCommSession` over COMM_WORLD, and
+    every other rank installs the MoESpec worker and serves `MPICommExecutor`.
+    """
     model_yaml = Path(model_yaml)
 
     class TritonPythonModel:
         @classmethod
         def auto_complete_config(cls, auto_complete_model_config):
-            triton = load_model_yaml(model_yaml)["triton_config"]
+            triton = load_model_yaml(model_config_path(model_yaml))["triton_config"]
             auto_complete_model_config.set_model_transaction_policy(dict(decoupled=bool(triton["decoupled"])))
             auto_complete_model_config.set_max_batch_size(int(triton["max_batch_size"]))
             return auto_complete_model_config
@@ -163,29 +240,65 @@ def make_triton_model(model_yaml: str | Path) -> type:
         def initialize(self, args: dict[str, Any]) -> None:
             from .executor import Executor
 
-            config = load_model_yaml(model_yaml)
+            config = load_model_yaml(model_config_path(model_yaml))
             self.decoupled = bool(config["triton_config"]["decoupled"])
-            self.executor = Executor(config["engine_dir"], config.get("backend", "auto"),
-                                     device=config.get("device"), dtype=config.get("dtype"))
+            rank, size = mpi_rank_and_size()
+            backend = config.get("backend", "auto")
+            self.executor = None
+            if size > 1 and rank != 0:
+                from ..backends.trtllm.version import trtllm_available
 
-        def _generate(self, params: RequestParams) -> Any:
+                if trtllm_available() and backend != "pytorch":
+                    serve_worker_rank(config["engine_dir"], rank)
+                return  # the PyTorch engine runs on rank 0 only
+            session = leader_mpi_session(size) if size > 1 else None
+            self.executor = Executor(config["engine_dir"], backend, device=config.get("device"),
+                                     dtype=config.get("dtype"), mpi_session=session, world_size=size)
+
+        def _sampling(self, params: RequestParams) -> Any:
             from .. import SamplingParams
 
-            sampling = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k, seed=params.seed, stop=params.stop or None)
-            return self.executor.generate([params.prompt], sampling)[0]
+            return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                  top_k=params.top_k, seed=params.seed, stop=params.stop or None)
+
+        def _generate(self, params: RequestParams) -> Any:
+            return self.executor.generate([params.prompt], self._sampling(params))[0]
+
+        def _stream(self, params: RequestParams) -> Any:
+            return self.executor.stream(params.prompt, self._sampling(params))
 
         def execute(self, requests: list[Any]) -> list[Any] | None:
             import triton_python_backend_utils as pb_utils
 
-            responses = [handle_request(pb_utils, r, self._generate) for r in requests]
             if not self.decoupled:
-                return responses
-            for request, response in zip(requests, responses):
-                request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return [handle_request(pb_utils, r, self._generate) for r in requests]
+            for request in requests:  # each request is answered as soon as it finishes
+                serve_decoupled(pb_utils, request, self._stream)
             return None
 
         def finalize(self) -> None:
-            self.executor.shutdown()
+            if self.executor is not None:
+                self.executor.shutdown()
 
     return TritonPythonModel
+
+
+def serve_worker_rank(engine_dir: str, rank: int) -> None:  # GPU machines (TensorRT-LLM) only
+    """A non-leader rank: install the worker (the leader's patch does not reach this process), then serve."""
+    from mpi4py.futures import MPICommExecutor
+    from mpi4py.MPI import COMM_WORLD
+
+    from ..backends.trtllm.config import load_engine_spec
+    from ..backends.trtllm.reach import install_for_engine
+
+    install_for_engine(load_engine_spec(engine_dir), engine_dir)
+    with MPICommExecutor(COMM_WORLD) as executor:
+        if executor is not None:
+            raise RuntimeError(f"rank {rank} unexpectedly became the MPI executor root")
+
+
+def leader_mpi_session(size: int) -> Any:  # GPU machines (TensorRT-LLM) only
+    from mpi4py.MPI import COMM_WORLD
+    from tensorrt_llm.llmapi import MpiCommSession
+
+    return MpiCommSession(comm=COMM_WORLD, n_workers=size)

@@ -77,8 +77,11 @@ Model `{name}` (python backend) builds `trtllm_moespec.runtime.Executor`: Tensor
 tensorrt_llm is importable on the server, else our PyTorch engine. Inputs follow TensorRT-LLM's
 `llmapi` model (`text_input`, `streaming`, `sampling_param_*`); outputs are `text_output`,
 `acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`, `mean_accepted_tokens`,
-`verified_tokens`. Decoupled mode: `triton_config.decoupled` in `{name}/1/model.yaml` ({decoupled});
-a streaming request receives its whole completion in one final response.
+`verified_tokens`. Decoupled mode: `triton_config.decoupled` in `{name}/1/model.yaml` ({decoupled}):
+a streaming request receives one response per committed chunk (PyTorch engine; TensorRT-LLM: one),
+then a final one with the full text and statistics; `LLM_CONFIG_PATH` selects another model YAML.
+Under mpirun, rank 0 serves requests and the other ranks install the MoESpec worker and serve
+TensorRT-LLM's MPI session.
 
 Status: the request handling ran on CPU in this project's tests with a stand-in for
 triton_python_backend_utils; a real Triton server has not run this repository here.

@@ -74,8 +74,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 # The tensorrt_llm lines the adapter is written against (PEP 440 bounds; policy in version.py).
-CHAIN_LINE_MIN, CHAIN_LINE_MAX = "1.2.0", "1.3.0"  # 1.2.x: linear EAGLE-3 only
-TREE_LINE_MIN, TREE_LINE_MAX = "1.3.0rc0", "2.0.0"  # needs DYNAMIC_TREE_MODULE too (PR #13081)
+CHAIN_LINE_MIN, CHAIN_LINE_MAX = "1.2.0", "1.3.0.dev0"  # 1.2.x: linear EAGLE-3 only (1.3 pre-releases excluded)
+TREE_LINE_MIN, TREE_LINE_MAX = "1.3.0.dev0", "2.0.0"  # needs DYNAMIC_TREE_MODULE too (PR #13081)
 CHAIN_LINE_RANGE = f">={CHAIN_LINE_MIN},<{CHAIN_LINE_MAX}"
 TREE_LINE_RANGE = f">={TREE_LINE_MIN},<{TREE_LINE_MAX}"
 DYNAMIC_TREE_MODULE = "tensorrt_llm._torch.speculative.eagle3_dynamic_tree"

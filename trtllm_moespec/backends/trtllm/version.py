@@ -4,8 +4,8 @@ Two lines of TensorRT-LLM exist for us (what was read is in schema.py):
 
 | tensorrt_llm | draft mode | MoESpec selection inside TensorRT-LLM |
 |---|---|---|
-| 1.2.x (`>=1.2.0,<1.3.0`) | "chain": linear EAGLE-3, one `max_draft_len` per profile | none (TensorRT-LLM verifies the chain) |
-| `>=1.3.0rc0,<2` **and** the module `eagle3_dynamic_tree` present (a release or pinned commit containing PR #13081) | "tree": EAGLE-3 dynamic tree | `MoESpecDynamicTreeWorker` |
+| 1.2.x (`>=1.2.0,<1.3.0.dev0`) | "chain": linear EAGLE-3, one `max_draft_len` per profile | none (TensorRT-LLM verifies the chain) |
+| `>=1.3.0.dev0,<2` **and** the module `eagle3_dynamic_tree` present (a release or pinned commit containing PR #13081) | "tree": EAGLE-3 dynamic tree | `MoESpecDynamicTreeWorker` |
 | anything else | refused with one error naming the version | |
 
 Why: `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` first landed on main in
