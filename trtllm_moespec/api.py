@@ -26,7 +26,9 @@ from .core.sampling import SamplingConfig
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
-from .resolve import ModelPaths, device_name, load_cost_profile, load_predictor, load_value_model, resolve_model
+from .models.checkpoint import parse_dtype
+from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafter, device_name, load_cost_profile,
+                      load_predictor, load_value_model, parse_device, resolve_model, set_cpu_threads)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -48,20 +50,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            # torch.Generator.manual_seed takes 64 bits; a larger seed used to fail only after the model loaded
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
             object.__setattr__(self, "stop", tuple(self.stop))
-        if self.stop and any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        self.config()  # validates temperature / top_k / top_p
+        if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        for name in ("temperature", "top_p"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        self.config()  # validates the ranges of temperature / top_k / top_p
 
     def config(self) -> SamplingConfig:
         return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+
+
+def _is_int(x) -> bool:
+    """An int that is not a bool (True would silently mean 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One streamed chunk; `output` is set on the last event only."""
+    """One streamed chunk; `output` is set on the last event only, which may carry text too (an incomplete
+    UTF-8 character is held back until its bytes arrive). Joined, the events' texts equal the output's text."""
 
     token_ids: list[int]
     text: str
@@ -102,7 +116,9 @@ class LLM:
         override_profile: bool = False,
         guard: str = "auto",
         draft_stop: bool | None = None,
+        model_impl: str = "lean",
         values: str = "calibrated",
+        threads: int | None = 1,
     ):
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
@@ -116,7 +132,15 @@ class LLM:
             raise ValueError(f"draft_stop must be None (auto), True or False, got {draft_stop!r}")
         if values not in VALUE_KINDS:
             raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
-        self.paths: ModelPaths = resolve_model(model, draft_model, predictor)
+        _check_argument_types(model=model, draft_model=draft_model, cost_profile=cost_profile, predictor=predictor,
+                              ddd_threshold=ddd_threshold, policy_options=policy_options)
+        self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
+        parse_dtype(dtype)
+        set_cpu_threads(threads, self.device)
+        # Cheap checks first, the model before anything derived from it: a bad checkpoint directory, a
+        # missing profile or drafter, or a tree the drafter cannot draft fails before any weights load.
+        self.paths: ModelPaths = resolve_model(str(model), draft_model, predictor)
+        check_target_dir(self.paths.target)
         if values == "head" and self.paths.acceptance_head is None:
             raise ValueError(f"values='head' needs a learned acceptance head; {self.paths.model_id} ships none "
                              "(use values='calibrated')")
@@ -124,19 +148,17 @@ class LLM:
         if policy == "joint" and drafter == "eagle3" and self.paths.predictor_head is not None:
             # Ours reads routing off the drafter's hidden state: no extra forward per step.
             self.paths = replace(self.paths, predictor=self.paths.predictor_head)
-        self.policy_name, self.tree, self.device, self.dtype = policy, tree, torch.device(device), dtype
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available")
-        # Cheap checks first: a missing profile or drafter fails before any weights load.
         needs = POLICIES.get(policy, POLICIES["eagle3"])
-        profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
-                                    override_profile)
+        if needs.drafts and drafter == "eagle3" and self.paths.draft is not None:
+            check_tree_fits_drafter(tree, self.paths.draft)
         if needs.drafts and drafter == "eagle3" and self.paths.draft is None:
             raise ValueError(f"policy {policy!r} drafts with EAGLE-3 but no draft model was given: pass "
                              "draft_model=DIR (SpecForge format) or drafter='ngram'")
         if needs.needs_experts and self.paths.predictor is None and predictor != "oracle":
             raise ValueError(f"policy {policy!r} needs an expert predictor: pass predictor=DIR, or predictor='oracle' "
                              "(analysis only: a target forward per step)")
+        profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
+                                    override_profile)
 
         rules_profile = profile if profile is not None else _optional_profile(policy, self.paths, self.device, dtype,
                                                                               tree, override_profile)
@@ -146,21 +168,23 @@ class LLM:
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
 
-        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype)
+        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
         self.tokenizer = _load_tokenizer(self.paths.target)
         self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
-        source = None
+        source, eagle3 = None, None
         if needs.drafts and drafter == "eagle3":
             from .models.eagle3 import load_eagle3
 
-            source = Eagle3Source(load_eagle3(self.paths.draft, target=self.target), tree.steps, tree.topk,
+            eagle3 = load_eagle3(self.paths.draft, target=self.target)
+            source = Eagle3Source(eagle3, tree.steps, tree.topk,
                                   ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None),
                                   stop_rule)
         elif needs.drafts:
             from .models.ngram import NgramConfig, NgramDrafter
 
             source = NgramSource(NgramDrafter(NgramConfig(max_nodes=max(tree.num_tree_nodes, 1))))
-        predictor_obj = load_predictor(predictor, self.paths, self.target) if self.policy.needs_experts else None
+        predictor_obj = (load_predictor(predictor, self.paths, self.target, eagle3)
+                         if self.policy.needs_experts else None)
         value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
                                  value_model, guard_obj)
@@ -188,6 +212,11 @@ class LLM:
         """Apply the tokenizer's chat template, then generate."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.paths.target} has no chat template; use generate() with plain prompts")
+        if (not isinstance(messages, (list, tuple)) or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in messages)):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, got "
+                             f"{_describe(messages)}")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return self.generate([list(ids)], sampling_params)[0]
@@ -195,14 +224,13 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         request = self.make_request(ids, params)
-        sent_text = ""
+        text = TextStream(self._decode)
         for new in self.engine.run(request):
-            text = self._decode(request.output_ids)
-            delta, sent_text = text[len(sent_text):], text
-            yield StreamEvent(list(new), delta)
-        out = RequestOutput(list(ids), list(request.output_ids), self._decode(request.output_ids),
-                            request.finish_reason or "length", request.stats(), tuple(request.steps))
-        yield StreamEvent([], "", out)
+            yield StreamEvent(list(new), text.delta(request.output_ids))
+        final = self._decode(request.output_ids)
+        out = RequestOutput(list(ids), list(request.output_ids), final, request.finish_reason or "length",
+                            request.stats(), tuple(request.steps))
+        yield StreamEvent([], text.rest(final), out)
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
@@ -242,6 +270,9 @@ class LLM:
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
                 p = self.tokenizer.encode(p, add_special_tokens=False)
+            elif not isinstance(p, (list, tuple)) or not all(_is_int(t) for t in p):
+                # int(1.7) == 1 would silently change the prompt
+                raise ValueError(f"a prompt must be a string or a list of int token ids, got {_describe(p)}")
             p = [int(t) for t in p]
             if not p:
                 raise ValueError("empty prompt: give at least one token")
@@ -254,8 +285,51 @@ class LLM:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
+def _check_argument_types(*, model, draft_model, cost_profile, predictor, ddd_threshold, policy_options) -> None:
+    """A wrong type fails here with the argument's name, not as a TypeError deep inside pathlib or a policy."""
+    paths = {"model": model, "draft_model": draft_model, "cost_profile": cost_profile, "predictor": predictor}
+    for name, value in paths.items():
+        allowed = (str, Path, CostTable) if name == "cost_profile" else (str, Path)
+        if not isinstance(value, allowed) and not (value is None and name != "model"):
+            kinds = "a path" + (", 'roofline:<device>' or a CostTable" if name == "cost_profile" else "")
+            kinds += f" or '{TINY}'" if name == "model" else " or None"
+            raise ValueError(f"{name} must be {kinds}, got {_describe(value)}")
+    if ddd_threshold is not None and (not isinstance(ddd_threshold, (int, float)) or isinstance(ddd_threshold, bool)):
+        raise ValueError(f"ddd_threshold must be a number or None, got {_describe(ddd_threshold)}")
+    if policy_options is not None and not isinstance(policy_options, dict):
+        raise ValueError(f"policy_options must be a dict or None, got {_describe(policy_options)}")
+
+
 def _is_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _describe(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+class TextStream:
+    """Incremental detokenization for streaming: each call returns the text not sent yet.
+
+    Trailing U+FFFD is held back: it marks a multi-byte character whose remaining bytes come with the
+    next token (byte-level BPE splits e.g. an emoji into four tokens); streaming it would print a
+    character the final text does not have. `rest` flushes what is still held (an output cut in the
+    middle of a character keeps its U+FFFD, as the final text does), so the chunks join to the final text.
+    """
+
+    def __init__(self, decode):
+        self.decode, self.sent = decode, ""
+
+    def delta(self, output_ids: Sequence[int]) -> str:
+        text = self.decode(output_ids).rstrip("\ufffd")
+        if len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def rest(self, final_text: str) -> str:
+        return final_text[len(self.sent):]
 
 
 def _load_tokenizer(path: Path):

@@ -7,24 +7,94 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from . import __version__
 
 
+# The policies `LLM` accepts (api.METHODS; a test keeps the two equal). Listed here so that `--help` and
+# argument errors do not wait for torch to import.
+POLICY_CHOICES = ("ar", "coverage", "ddd", "eagle3", "ecospec", "evict", "joint", "oracle")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the project's rule for bad input), exit code 2 as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Shows "(default: X)" unless the help already says what the default is, or there is none."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "default" in text:
+            return text
+        if isinstance(default, (tuple, list)):
+            default = ",".join(str(x) for x in default) or "none"
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+def _bounded_int(low: int, high: int | None = None):
+    """argparse type: an integer in [low, high) (high None: no upper bound); checked before torch imports."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {_power_of_two(high)})"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text}")
+        return value
+    return parse
+
+
+def _power_of_two(n: int) -> str:
+    return f"2**{n.bit_length() - 1}" if n > 1024 and n & (n - 1) == 0 else str(n)
+
+
+def _tree(text: str):
+    from .engine.config import TreeConfig  # torch-free
+
+    try:
+        return TreeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N")
+    return text
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny' (default)")
-    p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (SpecForge format)")
-    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "ngram"])
-    p.add_argument("--policy", default="joint", help="ar, eagle3, ddd, evict, ecospec, joint, coverage, oracle")
-    p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens (default 4,8,32)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--cost-profile", default=None, help="cost_profile.json, or roofline:H200 for an estimate")
+    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny' (the embedded model)")
+    p.add_argument("--draft-model", default=None,
+                   help="EAGLE-3 drafter directory (SpecForge format); default: the model's own, if it has one")
+    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "ngram"],
+                   help="draft with the EAGLE-3 head or a weightless prompt-lookup (n-gram) drafter")
+    p.add_argument("--policy", default="joint", choices=POLICY_CHOICES, metavar="{" + ",".join(POLICY_CHOICES) + "}",
+                   help="which draft nodes to verify each step (see the README's policy table)")
+    p.add_argument("--tree", default="4,8,32", type=_tree,
+                   help="steps,topk,max_draft_tokens of the draft tree (at most 4096 drafted nodes)")
+    p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="weights and activations")
+    p.add_argument("--model-impl", default="lean", choices=["lean", "hf"],
+                   help="target forward: lean (ours, static KV cache) or hf (transformers, the reference)")
+    p.add_argument("--cost-profile", default=None,
+                   help="cost_profile.json for evict/joint (default: the model's own), or roofline:H200 for an "
+                        "unmeasured estimate")
     p.add_argument("--override-profile", action="store_true", help="use a profile made for another setting")
-    p.add_argument("--predictor", default=None, help="expert predictor directory, or 'oracle' (analysis only)")
+    p.add_argument("--predictor", default=None,
+                   help="expert predictor directory for ecospec/joint (default: the model's own), or 'oracle' "
+                        "(analysis only)")
     p.add_argument("--values", default="calibrated", choices=["raw", "calibrated", "head"],
-                   help="node values of the cost-aware policies: calibrated acceptance probability (default), the "
+                   help="node values of the cost-aware policies: calibrated acceptance probability, the "
                         "learned acceptance head, or raw draft path scores (ablation)")
     p.add_argument("--guard", default="auto", choices=["auto", "measured", "profiled", "off"],
                    help="speculate-or-not before each step: auto (default) = the measured goodput guard for the "
@@ -32,71 +102,89 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-stop", default=None, action=argparse.BooleanOptionalAction,
                    help="stop drafting when another drafter forward cannot pay (default: on for the cost-aware "
                         "policies when the cost profile has the drafter-forward cost)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads on CPU (default 1: small models gain nothing from more, and a "
-                        "shared CPU makes OpenMP barriers stall)")
+    p.add_argument("--threads", type=_bounded_int(1), default=1,
+                   help="torch intra-op threads on CPU (small models gain nothing from more, and a shared CPU "
+                        "makes OpenMP barriers stall)")
 
 
 def _llm_from_args(args):
-    import torch
-
-    from .api import LLM
-    from .engine.config import TreeConfig
-
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # the CLI streams text; weight-loading bars would interleave with it
+    from .api import LLM
 
-    return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=TreeConfig.parse(args.tree),
+    hf_logging.disable_progress_bar()  # the CLI streams text; weight-loading bars would interleave with it
+    return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=args.tree,
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
-               drafter=args.drafter, override_profile=args.override_profile, values=args.values, guard=args.guard,
+               drafter=args.drafter, override_profile=args.override_profile, values=args.values,
+               model_impl=args.model_impl, threads=args.threads, guard=args.guard,
                draft_stop=args.draft_stop)
 
 
+def read_prompt_file(path: str) -> str:
+    """The text of --prompt-file, with errors that name the file."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--prompt-file {path} is a directory, not a text file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path} cannot be read: {e.strerror or e}") from None
+
+
 def cmd_generate(args) -> int:
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.prompt_file is not None:
+        prompt = read_prompt_file(args.prompt_file)
+    else:
+        prompt = DEFAULT_PROMPT
     from .api import SamplingParams
 
-    if args.prompt is None and args.prompt_file is None:
-        args.prompt = "def fibonacci(n):\n"
-    prompt = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     llm = _llm_from_args(args)
+    ids = llm.encode(prompt)[0]
+    llm.make_request(ids, params)  # checks length and ids now, so a refused prompt is not echoed first
     out = None
     if not args.json:
         sys.stdout.write(prompt)
-    for event in llm.stream(prompt, params):
+    for event in llm.stream(ids, params):
         if event.output is not None:
             out = event.output
-        elif not args.json:
+        if not args.json and event.text:
             sys.stdout.write(event.text)
             sys.stdout.flush()
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                           "stats": out.stats.to_dict()}))
     else:
+        sys.stdout.flush()
         print(f"\n[{args.policy}] {out.stats.summary()}", file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moespec", description="MoE-aware tree speculative decoding")
+    parser = _Parser(prog="moespec", description="MoE-aware tree speculative decoding")
     parser.add_argument("--version", action="version", version=f"trtllm-moespec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text, streaming it, and print a stats line")
+    g = sub.add_parser("generate", help="generate text, streaming it, and print a stats line",
+                       description="Generate text with speculative decoding, streaming it to stdout; a stats line "
+                                   "goes to stderr.", formatter_class=DefaultsHelpFormatter)
     _add_model_args(g)
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 text file")
+    g.add_argument("--max-tokens", type=_bounded_int(1), default=64, help="most new tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    g.add_argument("--top-k", type=_bounded_int(0), default=0, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--seed", type=_bounded_int(0, 2**64), default=None, help="sampling seed in [0, 2**64) (default: nondeterministic)")
+    g.add_argument("--stop", action="append", default=None, help="stop string, excluded from the output (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
@@ -111,6 +199,7 @@ def _add_optional_commands(sub) -> None:
     for name, module, help_text in (
         ("profile", "trtllm_moespec.profiling", "measure C(k) and fit the expert cost model on this device"),
         ("bench", "trtllm_moespec.bench", "benchmark every method side by side (also: python -m benchmarks.run)"),
+        ("replay", "trtllm_moespec.replay", "record decoding steps with the target's verdicts; score policies offline"),
         ("build", "trtllm_moespec.backends.trtllm.build", "write a TensorRT-LLM engine directory"),
         ("triton-repo", "trtllm_moespec.runtime.triton_repo", "write a Triton Inference Server model repository"),
     ):
@@ -119,6 +208,22 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `moespec` command (argv None: the process's own arguments, and the process ends on return)."""
+    rc = _main(argv)
+    if argv is None and rc == 130:
+        _ignore_sigint()
+    return rc
+
+
+def _ignore_sigint() -> None:
+    """Interrupted, and the process is ending: a second Ctrl-C while the interpreter shuts down (joining
+    loader threads) would only print an "Exception ignored ... KeyboardInterrupt" traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
@@ -127,11 +232,26 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError) as e:  # OSError: FileNotFoundError, IsADirectoryError, PermissionError
+        if isinstance(e, BrokenPipeError):
+            return _broken_pipe()
         print(f"moespec: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if argv is None:
+            _ignore_sigint()
+        print("\nmoespec: interrupted", file=sys.stderr)
         return 130
+
+
+def _broken_pipe() -> int:
+    """stdout's reader went away (`moespec generate | head`): stop quietly, as Unix tools do."""
+    import os
+
+    # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail a second time.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
 
 
 if __name__ == "__main__":

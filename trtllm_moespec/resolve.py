@@ -18,7 +18,8 @@ from .engine.config import TreeConfig
 log = logging.getLogger(__name__)
 TINY = "moespec-tiny"
 PROFILE_NAME = "cost_profile.json"
-CALIBRATOR_NAME = "value_calibrator.json"
+CALIBRATOR_NAME = "value_calibrator.json"  # beside a local model's config.json: its value calibrator prior
+ACCEPTANCE_HEAD_NAME = "acceptance_head"  # beside a local model's config.json: its learned acceptance head
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,16 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
                                     f"only; use '{TINY}' for the embedded default)")
         draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
-        calib = target / CALIBRATOR_NAME
-        values_dir = {"calibrator": calib if calib.is_file() else None, "acceptance_head": None}
+        calib, head_dir = target / CALIBRATOR_NAME, target / ACCEPTANCE_HEAD_NAME
+        values_dir = {"calibrator": calib if calib.is_file() else None,
+                      "acceptance_head": head_dir if head_dir.is_dir() else None}
     if draft_model is not None:
-        draft = _existing_dir(draft_model, "draft model")
+        given = _existing_dir(draft_model, "draft model")
+        if draft is None or given.resolve() != draft.resolve():
+            # The shipped head reads the shipped drafter's hidden state; another drafter's hidden means
+            # nothing to it (even at the same width), so policies fall back to the standalone predictor.
+            head = None
+        draft = given
     if predictor is not None and predictor != "oracle":
         pred = head = _existing_dir(predictor, "expert predictor")
     return ModelPaths(target, draft if draft is None or draft.is_dir() else None,
@@ -64,6 +71,60 @@ def _existing_dir(path: str | Path, what: str) -> Path:
     if not p.is_dir():
         raise FileNotFoundError(f"{what} directory not found: {path}")
     return p
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N', checked against what this machine has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def set_cpu_threads(threads: int | None, device: torch.device) -> None:
+    """torch intra-op threads for CPU runs (None: leave torch's setting alone).
+
+    One thread is the default of the CLI and the API: a small model gains nothing from more, and on a
+    shared CPU OpenMP barriers stall (a 2-core machine ran 2.7-49 tok/s with torch's default against
+    207 tok/s with one thread). The setting is process-wide, as torch's is.
+    """
+    if threads is None:
+        return
+    import os
+
+    cpus = os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
+        raise ValueError(f"threads must be an integer in [1, {cpus}] (this machine's CPUs) or None, got {threads!r}")
+    if device.type == "cpu" and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def check_target_dir(path: Path) -> None:
+    """config.json, safetensors headers and a supported architecture, before anything else is looked at."""
+    from .models.arch import arch_spec
+    from .models.checkpoint import check_safetensors_dir
+
+    config = check_safetensors_dir(path, what="target checkpoint")
+    arch_spec((config.get("architectures") or ["<missing 'architectures' in config.json>"])[0])
+
+
+def check_tree_fits_drafter(tree: TreeConfig, draft: Path) -> None:
+    """topk children per node are distinct tokens: at most the drafter's vocabulary."""
+    from .models.checkpoint import read_config_json
+
+    cfg = read_config_json(draft, "EAGLE-3 drafter")
+    vocab = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
+    if isinstance(vocab, int) and tree.topk > vocab:
+        raise ValueError(f"tree topk {tree.topk} exceeds the drafter's vocabulary of {vocab} tokens (siblings are "
+                         f"distinct tokens: topk <= {vocab})")
 
 
 def device_name(device: torch.device | str) -> str:
@@ -113,8 +174,9 @@ def _roofline_profile(spec: str, paths: ModelPaths, tree: TreeConfig) -> CostTab
                      expert_model=model.expert_model())
 
 
-def load_predictor(predictor, paths: ModelPaths, target):
-    """The expert predictor adapter the engine calls each step."""
+def load_predictor(predictor, paths: ModelPaths, target, drafter=None):
+    """The expert predictor adapter the engine calls each step; `drafter` is the loaded EAGLE-3 drafter
+    (None for the n-gram drafter), which a draft-head predictor must match."""
     from .engine.predictors import LearnedExperts, OracleExperts
 
     if predictor == "oracle":
@@ -130,12 +192,25 @@ def load_predictor(predictor, paths: ModelPaths, target):
         head = DraftHeadPredictor.load(paths.predictor)
         head.check_target(len(target.moe_layers), target.num_experts, target.experts_per_token, target.vocab_size,
                           target.hidden_size)
+        _check_head_drafter(head, paths.predictor, drafter)
         return HeadExperts(head.to(target.device), target.input_embeddings(), target.num_experts)
     from .models.predictor import ExpertPredictor
 
     model = ExpertPredictor.load(paths.predictor)
     model.check_target(len(target.moe_layers), target.num_experts, target.experts_per_token, target.vocab_size)
     return LearnedExperts(model.to(target.device) if hasattr(model, "to") else model, target.num_experts)
+
+
+def _check_head_drafter(head, path: Path, drafter) -> None:
+    """A draft-head predictor reads the EAGLE-3 drafter's per-node hidden: refuse any other pairing now,
+    not mid-generation."""
+    if drafter is None:
+        raise ValueError(f"the expert predictor at {path} is a head on an EAGLE-3 drafter's hidden state; the n-gram "
+                         "drafter has none (use an EcoSpec-style predictor directory or predictor='oracle')")
+    if head.config.hidden_size != drafter.config.hidden_size:
+        raise ValueError(f"the expert predictor at {path} reads a drafter hidden state of width "
+                         f"{head.config.hidden_size}, but the drafter's is {drafter.config.hidden_size}: train a head "
+                         "for this drafter, or pass an EcoSpec-style predictor directory or predictor='oracle'")
 
 
 def load_value_model(kind: str, paths: ModelPaths, target=None):

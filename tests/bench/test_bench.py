@@ -136,6 +136,35 @@ def test_first_mismatch_and_module_entry():
     assert benchmarks.run.main is trtllm_moespec.bench.main
 
 
+def test_an_aborted_run_keeps_existing_reports(model, tmp_path, monkeypatch, capsys):
+    """(case bench-abort-keeps-report) An aborted (or interrupted) run never replaces a finished report:
+    its report goes to NAME.partial.EXT beside the kept files."""
+    _lossy(monkeypatch, "evict")
+    good_json, good_md = '{"status": "complete"}\n', "| finished table |\n"
+    (tmp_path / "r.json").write_text(good_json)
+    (tmp_path / "r.md").write_text(good_md)
+    rc = cli_main(["bench"] + model + ["--methods", "ar,evict", "--datasets", "gsm8k", "--num-prompts", "1",
+                                       "--max-tokens", "4", "--temperature", "0", "--json", str(tmp_path / "r.json"),
+                                       "--markdown", str(tmp_path / "r.md")])
+    assert rc == 3
+    assert (tmp_path / "r.json").read_text() == good_json and (tmp_path / "r.md").read_text() == good_md
+    assert json.loads((tmp_path / "r.partial.json").read_text())["status"] == "aborted"
+    assert "aborted" in (tmp_path / "r.partial.md").read_text()
+    assert "r.partial.json" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_output_paths_are_checked_before_the_run(model, tmp_path, capsys):
+    """(case bench-output-is-directory) --json naming a directory, or --plots a file, fails at once."""
+    (tmp_path / "plots.png").write_text("x")
+    for flag, value, message in (("--json", tmp_path, "is a directory"), ("--markdown", tmp_path, "is a directory"),
+                                 ("--plots", tmp_path / "plots.png", "is a file"),
+                                 ("--json", tmp_path / "plots.png" / "r.json", "is not a directory")):
+        assert bench_main(model + [flag, str(value)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and err.count("\n") == 0, err
+
+
 def test_values_sweep_adds_one_column_per_cost_aware_method():
     from trtllm_moespec.bench import build_parser, resolve_methods
 

@@ -81,13 +81,27 @@ def test_calibrator_learns_online_and_stays_monotone():
     cal = Calibrator()  # identity prior: conditional = q before any observation
     state = cal.start(0.0)
     q = np.array([0.05, 0.225, 0.6])
-    np.testing.assert_allclose(state.conditional(np.ones(3, dtype=np.int64), q), q, atol=0.02)
-    # Every depth-1 node with q ~ 0.22 is accepted: its conditional rises towards 1.
-    state.update(np.ones(100, dtype=np.int64), np.full(100, 0.225), np.ones(100))
-    after = state.conditional(np.ones(3, dtype=np.int64), q)
+    g = cal.group_ids(np.ones(3, dtype=np.int64), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64))
+    np.testing.assert_allclose(state.conditional(g, q), q, atol=0.02)
+    # Every depth-1 best child with q ~ 0.22 is accepted: its conditional rises towards 1.
+    state.update(np.full(100, g[0]), np.full(100, 0.225), np.ones(100))
+    after = state.conditional(g, q)
     assert after[1] > 0.9 and after[2] >= after[1] >= after[0]
-    # A deeper depth than the prior covers reuses the last row.
-    assert state.conditional(np.array([5]), np.array([0.225]))[0] > 0.9
+    # Other groups (second-ranked siblings) are untouched; deeper depths than num_depths share the last.
+    other = cal.group_ids(np.array([1]), np.array([1]), np.array([0]))
+    assert state.conditional(other, np.array([0.225]))[0] < 0.3
+    assert cal.group_ids(np.array([9]), np.array([5]), np.array([1]))[0] == cal.num_groups - 1
+
+
+def test_node_groups_split_by_depth_rank_and_copy():
+    tree = _hand_tree()  # tokens 10 11 12 13; node 0 (q .5) outranks its sibling 1 (q .25)
+    cal = Calibrator()
+    groups = cal.node_groups(tree, [7, 10, 12, 4, 7])  # after the root "7" came "10" last time
+    d, r, c = np.array([1, 1, 2, 3]), np.array([0, 1, 0, 0]), np.array([0, 0, 0, 0])
+    expected = cal.group_ids(d, r, c)
+    # copy flag (order 2): node 0 = "10" follows "4 7"? no; node 2 = "12" follows "7 10" -> yes (most recent)
+    expected[2] = cal.group_ids(np.array([2]), np.array([0]), np.array([1]))[0]
+    assert groups[0].tolist() == expected.tolist()
 
 
 def test_calibrated_values_per_request_state_is_independent():
@@ -106,13 +120,14 @@ def test_calibrator_round_trips_and_rejects_bad_files(tmp_path):
     rng = np.random.default_rng(0)
     depth, score = rng.integers(1, 5, 500), rng.uniform(0, 1, 500)
     hit = (rng.uniform(0, 1, 500) < np.minimum(1.0, 3 * score)).astype(float)
-    cal = Calibrator.fit({0.0: (depth, score, hit), 1.0: (depth, score, hit * 0)}, max_depth=4, source="test")
+    group = Calibrator().group_ids(depth, rng.integers(0, 3, 500), rng.integers(0, 2, 500))
+    cal = Calibrator().fit({0.0: (group, score, hit), 1.0: (group, score, hit * 0)}, source="test")
     path = cal.save(tmp_path / "c.json")
     back = Calibrator.load(path)
     assert back == cal
     # The nearest temperature's table is used.
-    q = np.array([0.3])
-    assert back.start(0.2).conditional(np.array([1]), q)[0] > back.start(0.9).conditional(np.array([1]), q)[0]
+    q, g = np.array([0.3]), group[:1]
+    assert back.start(0.2).conditional(g, q)[0] > back.start(0.9).conditional(g, q)[0]
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="malformed"):
         Calibrator.load(tmp_path / "bad.json")
@@ -131,7 +146,8 @@ def test_policies_on_calibrated_values_are_parent_closed_and_within_budget(seed)
     root = experts.bits[:, 0] if tree.num_nodes else torch.zeros(2, experts.bits.shape[2], dtype=torch.int64)
     # A calibrator that learnt something: deep nodes are accepted far more often than q says.
     state = Calibrator().start(0.0)
-    state.update(rng.integers(1, 4, 300), rng.uniform(0, 1, 300), (rng.uniform(0, 1, 300) < 0.8).astype(float))
+    state.update(rng.integers(0, Calibrator().num_groups, 300), rng.uniform(0, 1, 300),
+                 (rng.uniform(0, 1, 300) < 0.8).astype(float))
     model = CalibratedValues(Calibrator()).for_request(SamplingConfig())
     model.state = state
     values = model.values(tree)
@@ -145,3 +161,15 @@ def test_policies_on_calibrated_values_are_parent_closed_and_within_budget(seed)
         assert policy.uses_values
         _assert_closed(valued, policy.select(valued, experts=experts, root_experts=root), budget)
     assert not make_policy("eagle3").uses_values and not make_policy("oracle").uses_values
+
+
+def test_incremental_context_index_equals_a_fresh_one():
+    from trtllm_moespec.core.node_features import RecentFollowers, copies_recent
+
+    rng = np.random.default_rng(0)
+    tree = random_eagle_tree(rng, 1, 3, 3, vocab=6)
+    context, index = list(rng.integers(0, 6, 30)), RecentFollowers()
+    for _ in range(5):
+        context += list(rng.integers(0, 6, 3))
+        assert copies_recent(tree, context, index=index).tolist() == copies_recent(tree, context).tolist()
+    assert copies_recent(tree, context[:10], index=index).tolist() == copies_recent(tree, context[:10]).tolist()

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from tests.models.conftest import build_hf, gpt_oss_config, qwen3_moe_config
 from trtllm_moespec.core import CostTable, ExpertCostModel
+from trtllm_moespec.models.acceptance_head import write_random_acceptance_head
 from trtllm_moespec.models.eagle3 import write_random_drafter
 
 
 def make_checkpoint(root, name: str):
-    """Write target, drafter and a cost profile for tree (4, 8, 32); returns (target_dir, draft_dir)."""
+    """Write target, drafter, acceptance head and a cost profile for tree (4, 8, 32); returns (target_dir, draft_dir)."""
     config = qwen3_moe_config() if name == "qwen3_moe" else gpt_oss_config()
     model = build_hf(config)
     target = root / name
     model.save_pretrained(str(target))
     draft = write_random_drafter(model.config, root / f"{name}_eagle3", seed=0)
+    c = model.config  # an (untrained) acceptance head beside the target: values="head" finds it there
+    write_random_acceptance_head(target / "acceptance_head", c.hidden_size, c.hidden_size, c.vocab_size, seed=0)
     CostTable(tuple(0.010 + 0.0004 * k for k in range(33)), model_id=name, device="cpu", dtype="float32",
               tree=(4, 8, 32), method="synthetic (tests)",
               expert_model=ExpertCostModel(0.010, 0.0002, 0.0001)).save(target / "cost_profile.json")
@@ -26,3 +32,16 @@ def make_checkpoint(root, name: str):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
     return {name: make_checkpoint(root, name) for name in ("qwen3_moe", "gpt_oss")}
+
+
+TINY_TARGET = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny" / "target"
+
+
+def make_tokenized_checkpoint(root) -> Path:
+    """A random Qwen3-MoE with moespec-tiny's tokenizer (vocab 4096) and a 512-token context: text prompts,
+    fast loading. No drafter (use policy 'ar' or drafter 'ngram')."""
+    path = Path(root) / "tokenized"
+    build_hf(qwen3_moe_config(vocab_size=4096, max_position_embeddings=512)).save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_TARGET / name, path / name)
+    return path

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from trtllm_moespec import LLM, SamplingParams
@@ -78,3 +80,101 @@ def test_cli_reports_one_line_and_exit_code_2(tmp_path):
                           "--policy", "ar"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "not found" in out.stderr
+
+
+# ------------------------------------------------------------------ issue 13 (see tests/bad_input_cases.py)
+TINY = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_ar():
+    return LLM("moespec-tiny", policy="ar")
+
+
+def test_stream_holds_back_incomplete_characters(tiny_ar):
+    """(case stream-utf8) Byte-level BPE splits an emoji into four tokens; streaming token by token must
+    not print U+FFFD for the partial bytes, and the chunks must join to the final text."""
+    from trtllm_moespec.api import TextStream
+
+    tok = tiny_ar.tokenizer
+    text = "x = '🙂 é → 日本' # done"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # the case really arises
+    stream = TextStream(tiny_ar._decode)
+    chunks = [stream.delta(ids[:n]) for n in range(1, len(ids) + 1)]
+    chunks.append(stream.rest(tok.decode(ids)))
+    assert "".join(chunks) == text and not any("\ufffd" in c for c in chunks)
+    cut = ids[:ids.index(tok.encode("🙂", add_special_tokens=False)[0]) + 2]  # output ends mid-character
+    stream = TextStream(tiny_ar._decode)
+    chunks = [stream.delta(cut[:n]) for n in range(1, len(cut) + 1)] + [stream.rest(tok.decode(cut))]
+    assert "".join(chunks) == tok.decode(cut) and chunks[-1] == "\ufffd"  # flushed at the end, as in the final text
+    # through the engine: joined events == final text
+    events = list(tiny_ar.stream("s = '", SamplingParams(max_tokens=24, temperature=1.0, seed=2)))
+    assert "".join(e.text for e in events) == events[-1].output.text
+
+
+def test_chat_on_moespec_tiny(tiny_ar):
+    """(case chat-tiny) moespec-tiny has a chat template (messages as Python comments);
+    (case chat-bad-messages) malformed messages are one clear error."""
+    out = tiny_ar.chat([{"role": "user", "content": "write fib"}], SamplingParams(max_tokens=3))
+    assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
+    assert len(out.token_ids) == 3
+    for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ValueError, match="list of"):
+            tiny_ar.chat(bad)
+
+
+def test_a_foreign_drafter_is_not_paired_with_the_shipped_head(tmp_path):
+    """(case foreign-drafter-joint) A 128-wide drafter with the default joint policy falls back to the
+    standalone predictor; (case head-predictor-foreign-drafter) forcing the head on it fails before any
+    generation; (case head-predictor-ngram) so does the head with the n-gram drafter."""
+    tiny_config = transformers.AutoConfig.from_pretrained(str(TINY / "target"))
+    foreign = write_random_drafter(tiny_config, tmp_path / "d128", seed=0, hidden_size=128)
+    llm = LLM("moespec-tiny", draft_model=str(foreign))
+    assert llm.paths.predictor == TINY / "predictor"
+    out = llm.generate(["def f(x):\n"], SamplingParams(max_tokens=4))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="width 256, but the drafter's is 128"):
+        LLM("moespec-tiny", draft_model=str(foreign), predictor=str(TINY / "predictor-head"))
+    with pytest.raises(ValueError, match="n-gram drafter has none"):
+        LLM("moespec-tiny", drafter="ngram", predictor=str(TINY / "predictor-head"))
+
+
+def test_api_sets_one_thread_as_the_cli(checkpoints):
+    """(case api-threads) LLM(...) sets 1 intra-op thread on CPU unless threads=None; (case
+    threads-out-of-range) a thread count outside [1, CPUs] is refused."""
+    target, _ = checkpoints["qwen3_moe"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLM(str(target), policy="ar", threads=None)
+        assert torch.get_num_threads() == 2
+        LLM(str(target), policy="ar")
+        assert torch.get_num_threads() == 1
+        for bad in (0, 10**6, True, "2"):
+            with pytest.raises(ValueError, match="threads must be an integer in"):
+                LLM(str(target), policy="ar", threads=bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sampling_params_and_prompts_name_the_bad_field(checkpoints):
+    """(case sampling-field-types) (case stop-not-string) (case prompt-float-ids) (case model-not-a-path)"""
+    for bad, field in (({"temperature": "hot"}, "temperature"), ({"top_p": "x"}, "top_p"), ({"top_k": True}, "top_k"),
+                       ({"max_tokens": True}, "max_tokens"), ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"),
+                       ({"stop": [1]}, "stop strings")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    SamplingParams(seed=2**64 - 1)
+    target, _ = checkpoints["qwen3_moe"]
+    llm = LLM(str(target), policy="ar")
+    with pytest.raises(ValueError, match="list of int token ids"):
+        llm.generate([[1.7, 2]])
+    with pytest.raises(ValueError, match="model must be a path or 'moespec-tiny', got int 123"):
+        LLM(model=123)
+    for name, value in (("draft_model", 123), ("cost_profile", 1.5), ("predictor", ["x"]), ("ddd_threshold", "x"),
+                        ("policy_options", [("budget", 4)])):  # (case argument-types)
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            LLM(str(target), policy="ddd", **{name: value})
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        LLM(str(target), policy="ar", device="tpu")

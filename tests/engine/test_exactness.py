@@ -32,9 +32,22 @@ def references(checkpoints):
 def test_greedy_equals_transformers_generate(checkpoints, references, arch, drafter, policy):
     if policy == "ar" and drafter == "ngram":
         pytest.skip("ar does not draft")
+    _check_greedy(checkpoints, references, arch, drafter, policy, "lean")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_greedy_with_transformers_forward_equals_generate(checkpoints, references, arch, policy):
+    """model_impl="hf" (transformers' own forward, the reference implementation) stays exact too."""
+    _check_greedy(checkpoints, references, arch, "eagle3", policy, "hf")
+
+
+def _check_greedy(checkpoints, references, arch, drafter, policy, model_impl):
     target, draft = checkpoints[arch]
     predictor = "oracle" if policy in ("ecospec", "joint") else None
-    llm = LLM(str(target), draft_model=str(draft), policy=policy, drafter=drafter, predictor=predictor)
+    llm = LLM(str(target), draft_model=str(draft), policy=policy, drafter=drafter, predictor=predictor,
+              model_impl=model_impl)
+    assert llm.target.model_impl == model_impl
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     for i, out in enumerate(outs):
         assert out.token_ids == references[arch, i], f"{policy}/{drafter} diverged on prompt {i}"
@@ -46,7 +59,7 @@ def test_greedy_equals_transformers_generate(checkpoints, references, arch, draf
             assert stats.verified_tokens == 0
 
 
-@pytest.mark.parametrize("values", ["raw", "calibrated"])
+@pytest.mark.parametrize("values", ["raw", "calibrated", "head"])
 @pytest.mark.parametrize("policy", ["evict", "ecospec", "joint", "coverage"])
 def test_greedy_exact_under_every_value_model(checkpoints, references, policy, values):
     """Values only re-rank which nodes are verified: every value model keeps greedy output exact

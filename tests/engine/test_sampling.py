@@ -28,9 +28,9 @@ def _exact_joint(target_dir) -> dict[tuple[int, int], float]:
             for a in p1.nonzero().flatten() for p2 in [probs(PROMPT + [int(a)])] for b in p2.nonzero().flatten()}
 
 
-@pytest.mark.parametrize("policy,values", [("eagle3", "raw"), ("evict", "calibrated")])
+@pytest.mark.parametrize("policy,values", [("eagle3", "raw"), ("evict", "calibrated"), ("coverage", "head")])
 def test_first_tokens_match_target_distribution(checkpoints, policy, values):
-    """eagle3 (fixed tree) and a cost-aware policy ranking on calibrated, online-updated values."""
+    """eagle3 (fixed tree) and cost-aware policies ranking on calibrated / learned-head values (online-updated)."""
     target, draft = checkpoints["qwen3_moe"]
     exact = _exact_joint(target)
     llm = LLM(str(target), draft_model=str(draft), policy=policy, values=values)

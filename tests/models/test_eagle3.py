@@ -176,6 +176,20 @@ def test_ddd_stops_drafting_when_the_frontier_score_is_low(target, drafter):
     assert always.num_forwards == 0 and always.tree.num_nodes == 2
 
 
+def test_should_expand_rule_is_asked_before_every_expansion(target, drafter):
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    _, dcache, _ = _prefilled(target, drafter, ids)
+    full = drafter.draft_tree(dcache, steps=4, topk=2)
+    seen = []
+
+    def two_expansions(tree, frontier):
+        seen.append((tree.num_nodes, frontier.numel()))
+        return len(seen) <= 2
+    cut = drafter.draft_tree(dcache, steps=4, topk=2, should_expand=two_expansions)
+    assert seen == [(2, 2), (6, 2), (10, 2)]  # asked with the tree so far and its frontier, before each step
+    assert cut.num_forwards == 2 and torch.equal(cut.tree.token_ids, full.tree.token_ids[:, :10])
+
+
 def test_drafter_works_on_gpt_oss_features(tmp_path):
     target = TargetModel(build_hf(gpt_oss_config(), seed=2))
     drafter = load_eagle3(write_random_drafter(target.config, tmp_path / "g"), target=target)
@@ -184,3 +198,25 @@ def test_drafter_works_on_gpt_oss_features(tmp_path):
     tree = drafter.draft_tree(dcache, steps=2, topk=3).tree
     tree.validate()
     assert tree.num_nodes == 3 + 9
+
+
+def test_pruned_vocabulary_proposes_the_top_kept_tokens(target, tmp_path):
+    full = load_eagle3(write_random_drafter(target.config, tmp_path / "p", seed=5), target=target)
+    pruned = load_eagle3(tmp_path / "p", target=target)
+    keep = torch.arange(0, 128, 3)  # every third target token
+    pruned.prune_vocab(keep)
+    assert pruned.config.draft_vocab_size == keep.numel() and int(pruned.t2d.sum()) == keep.numel()
+    assert torch.equal(pruned.to_target_ids(torch.arange(keep.numel())), keep)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(6))
+    caches = []
+    for d in (full, pruned):
+        _, dcache, _ = _prefilled(target, d, ids)
+        caches.append(dcache)
+    # The pruned head's logits are the full head's logits at the kept tokens.
+    torch.testing.assert_close(caches[1].last_logits[0], caches[0].last_logits[0, keep], atol=1e-5, rtol=0)
+    tree = pruned.draft_tree(caches[1], steps=3, topk=4).tree
+    assert bool(torch.isin(tree.token_ids[tree.valid], keep).all())
+    full_logits = caches[0].last_logits[0, keep]
+    assert torch.equal(tree.token_ids[0, :4], keep[full_logits.topk(4).indices])
+    with pytest.raises(ValueError, match="empty draft vocabulary"):
+        pruned.prune_vocab(torch.tensor([1]))  # 1 is not in the kept set

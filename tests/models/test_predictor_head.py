@@ -131,7 +131,8 @@ def test_head_experts_on_a_drafted_tree_and_dispatch(target, tmp_path) -> None:
     draft = drafter.draft_tree(cache, steps=3, topk=4)
     torch.manual_seed(0)
     DraftHeadPredictor(HeadPredictorModel(_config(target))).save(tmp_path / "head")
-    adapter = load_predictor(None, ModelPaths(tmp_path, path, tmp_path / "head", "t", tmp_path / "p.json"), target)
+    adapter = load_predictor(None, ModelPaths(tmp_path, path, tmp_path / "head", "t", tmp_path / "p.json"), target,
+                             drafter)
     assert isinstance(adapter, HeadExperts)
     context = prompt[0].tolist() + [4]
     experts, root_bits = adapter.predict(context, draft.tree, draft, None)
@@ -159,4 +160,4 @@ def test_head_experts_on_a_drafted_tree_and_dispatch(target, tmp_path) -> None:
     assert isinstance(standalone, LearnedExperts)
     wrong = TargetModel(build_hf(qwen3_moe_config(num_experts=16), seed=5))
     with pytest.raises(ValueError, match="draft-head expert predictor was trained for"):
-        load_predictor(None, ModelPaths(tmp_path, path, tmp_path / "head", "t", tmp_path / "p.json"), wrong)
+        load_predictor(None, ModelPaths(tmp_path, path, tmp_path / "head", "t", tmp_path / "p.json"), wrong, drafter)

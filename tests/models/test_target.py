@@ -16,6 +16,11 @@ from .conftest import build_hf, gpt_oss_config, qwen3_moe_config
 ATOL = 2e-4
 
 
+@pytest.fixture(params=["lean", "hf"])
+def model_impl(request):
+    return request.param
+
+
 def random_tree(num_nodes: int, vocab: int, gen: torch.Generator) -> DraftTree:
     """A random tree (any shape, parents before children) with random tokens."""
     parents = torch.tensor([[int(torch.randint(-1, i, (1,), generator=gen)) if i else -1 for i in range(num_nodes)]])
@@ -29,8 +34,8 @@ def plain_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits[0].float()
 
 
-def test_tree_verify_equals_each_branch_decoded_causally(hf_model):
-    target = TargetModel(hf_model)
+def test_tree_verify_equals_each_branch_decoded_causally(hf_model, model_impl):
+    target = TargetModel(hf_model, model_impl=model_impl)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128, (1, 11), generator=gen)  # with GPT-OSS's window 8, tree keys cross it
     cache = target.new_cache()
@@ -45,8 +50,8 @@ def test_tree_verify_equals_each_branch_decoded_causally(hf_model):
         torch.testing.assert_close(out.logits[0, pos], plain_logits(hf_model, branch)[-1], atol=ATOL, rtol=0)
 
 
-def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model):
-    target = TargetModel(hf_model)
+def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model, model_impl):
+    target = TargetModel(hf_model, model_impl=model_impl)
     gen = torch.Generator().manual_seed(0)
     committed = torch.randint(0, 128, (1, 6), generator=gen)
     cache = target.new_cache()
@@ -61,7 +66,8 @@ def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model):
         target.commit(cache, torch.tensor(accepted + [-1]))
         committed = torch.cat([committed, layout.token_ids[:, accepted]], 1)
         assert cache.num_tokens == committed.shape[1]
-        assert all(layer.keys.shape[2] == cache.num_tokens for layer in cache.kv.layers)
+        if model_impl == "hf":
+            assert all(layer.keys.shape[2] == cache.num_tokens for layer in cache.kv.layers)
         bonus = torch.randint(0, 128, (1, 1), generator=gen)
         out = target.prefill(cache, bonus)  # one plain decoding step on the compacted cache
         committed = torch.cat([committed, bonus], 1)
@@ -70,8 +76,8 @@ def test_commit_equals_decoding_accepted_tokens_one_by_one(hf_model):
         committed = torch.cat([committed, root[None]], 1)
 
 
-def test_root_only_verify_is_plain_decoding(hf_model):
-    target = TargetModel(hf_model)
+def test_root_only_verify_is_plain_decoding(hf_model, model_impl):
+    target = TargetModel(hf_model, model_impl=model_impl)
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
     cache = target.new_cache()
     target.prefill(cache, ids[:, :-1])
@@ -82,8 +88,8 @@ def test_root_only_verify_is_plain_decoding(hf_model):
     torch.testing.assert_close(out.logits[0, 0], plain_logits(hf_model, ids)[-1], atol=ATOL, rtol=0)
 
 
-def test_captures_equal_transformers_hidden_states_and_routing(hf_model):
-    target = TargetModel(hf_model, capture_layers=(0, 1, 2))
+def test_captures_equal_transformers_hidden_states_and_routing(hf_model, model_impl):
+    target = TargetModel(hf_model, capture_layers=(0, 1, 2), model_impl=model_impl)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     cache = target.new_cache()
     out = target.prefill(cache, ids, all_logits=True)
@@ -98,9 +104,9 @@ def test_captures_equal_transformers_hidden_states_and_routing(hf_model):
     torch.testing.assert_close(out.logits[0], ref.logits[0], atol=ATOL, rtol=0)
 
 
-def test_verify_router_ids_equal_branch_routing():
+def test_verify_router_ids_equal_branch_routing(model_impl):
     model = build_hf(qwen3_moe_config(), seed=5)
-    target = TargetModel(model)
+    target = TargetModel(model, model_impl=model_impl)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 128, (1, 7), generator=gen)
     cache = target.new_cache()
@@ -113,9 +119,9 @@ def test_verify_router_ids_equal_branch_routing():
         assert torch.equal(out.expert_ids[0, pos].sort(-1).values, branch.expert_ids[0, -1].sort(-1).values)
 
 
-def test_gpt_oss_masks_match_layer_types():
+def test_gpt_oss_masks_match_layer_types(model_impl):
     model = build_hf(gpt_oss_config(sliding_window=4), seed=6)
-    target = TargetModel(model)
+    target = TargetModel(model, model_impl=model_impl)
     assert target.layer_types == ("sliding_attention", "full_attention") * 2 and target.sliding_window == 4
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(6))
     cache = target.new_cache()
@@ -123,9 +129,10 @@ def test_gpt_oss_masks_match_layer_types():
     torch.testing.assert_close(out.logits[0], plain_logits(model, ids), atol=ATOL, rtol=0)
 
 
-def test_load_round_trip_and_metadata(saved_qwen):
+def test_load_round_trip_and_metadata(saved_qwen, model_impl):
     path, model = saved_qwen
-    target = TargetModel.load(path)
+    target = TargetModel.load(path, model_impl=model_impl)
+    assert target.model_impl == model_impl
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(7))
     out = target.prefill(target.new_cache(), ids)
     torch.testing.assert_close(out.logits[0, -1], plain_logits(model, ids)[-1], atol=ATOL, rtol=0)
@@ -164,9 +171,9 @@ def test_bad_checkpoints_fail_early_with_clear_errors(saved_qwen, tmp_path):
         TargetModel.load(dense)
 
 
-def test_bad_calls_raise(saved_qwen):
+def test_bad_calls_raise(saved_qwen, model_impl):
     _, model = saved_qwen
-    target = TargetModel(model)
+    target = TargetModel(model, model_impl=model_impl)
     cache = target.new_cache()
     with pytest.raises(ValueError, match="token ids must lie"):
         target.prefill(cache, torch.tensor([[5, 128]]))
@@ -184,15 +191,25 @@ def test_bad_calls_raise(saved_qwen):
         target.commit(cache, torch.tensor([3]))
 
 
-def test_discard_drops_the_verify_slots(saved_qwen):
+def test_discard_drops_the_verify_slots(saved_qwen, model_impl):
     _, model = saved_qwen
-    target = TargetModel(model)
+    target = TargetModel(model, model_impl=model_impl)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(8))
     cache = target.new_cache()
     target.prefill(cache, ids[:, :-1])
     layout = build_layout(random_tree(5, 128, torch.Generator().manual_seed(8)), torch.arange(5)[None], ids[:, -1])
     target.verify(cache, layout)
     target.discard(cache)
-    assert cache.num_pending == 0 and all(layer.keys.shape[2] == 5 for layer in cache.kv.layers)
+    assert cache.num_pending == 0 and cache.num_tokens == 5
+    if model_impl == "hf":
+        assert all(layer.keys.shape[2] == 5 for layer in cache.kv.layers)
     out = target.prefill(cache, ids[:, -1:])
     torch.testing.assert_close(out.logits[0, -1], plain_logits(model, ids)[-1], atol=ATOL, rtol=0)
+
+
+def test_unknown_model_impl_is_a_clear_error(saved_qwen):
+    path, model = saved_qwen
+    with pytest.raises(ValueError, match="model_impl must be one of lean, hf"):
+        TargetModel.load(path, model_impl="vllm")
+    with pytest.raises(ValueError, match="model_impl must be one of"):
+        TargetModel(model, model_impl="")

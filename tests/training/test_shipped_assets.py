@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,6 +48,22 @@ def test_predictor_matches_shipped_target() -> None:
 
 @pytest.mark.skipif(not ASSETS.is_dir(), reason="no shipped assets yet")
 def test_shipped_sizes_within_budget() -> None:
-    dirs = [ASSETS / name for name in ("target", "eagle3", "predictor", "predictor-head") if (ASSETS / name).is_dir()]
+    dirs = [ASSETS / name for name in ("target", "eagle3", "predictor", "predictor-head", "acceptance-head", "values") if (ASSETS / name).is_dir()]
     total = sum(_mb(d) for d in dirs)
     assert total <= BUDGET_MB, f"shipped moespec-tiny dirs take {total:.1f} MB > {BUDGET_MB} MB: {[(d.name, round(_mb(d), 1)) for d in dirs]}"
+
+
+@pytest.mark.skipif(not (ASSETS / "values").is_dir(), reason="no shipped value calibrator")
+def test_shipped_value_models_load() -> None:
+    from trtllm_moespec.core.values import Calibrator
+    from trtllm_moespec.models.acceptance_head import AcceptanceHead
+
+    cal = Calibrator.load(ASSETS / "values" / "calibrator.json")
+    assert cal.tables and 0.0 in [t.temperature for t in cal.tables] and "replay" in cal.source
+    # The prior says what the issue measured: a best child at q ~ 0.2 is accepted far more often than q.
+    state = cal.start(0.0)
+    g = cal.group_ids(np.array([1]), np.array([0]), np.array([0]))
+    assert state.conditional(g, np.array([0.2]))[0] > 0.4
+    if (ASSETS / "acceptance-head").is_dir():
+        head = AcceptanceHead.load(ASSETS / "acceptance-head")
+        assert head.config.hidden_size == 256 and head.config.vocab_size == 4096

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
+from pathlib import Path
 
+from ..cli import DefaultsHelpFormatter
 from .datasets import DATASETS, load_prompts, tokenization_note
 from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec, values_specs
 from .runner import BenchState, LosslessMismatch, run_bench, warm_up
@@ -34,12 +37,13 @@ def _csv(kind):
 
 
 def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="moespec-tiny")
-    p.add_argument("--draft-model", default=None)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny'")
+    p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens shared by every EAGLE-family method")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--cost-profile", default=None, help="for evict/joint (default: the model's cost_profile.json)")
     p.add_argument("--predictor", default=None, help="expert predictor for ecospec/joint: DIR or 'oracle' "
                                                      "(default: the model's own)")
@@ -62,12 +66,12 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
                    help="ablation: these cost-aware policies again without the speculate-or-not rule and the "
                         "drafting stop rule, e.g. evict,joint")
     p.add_argument("--values", default="calibrated", help="node values of the cost-aware methods (evict, ecospec, "
-                   "joint, coverage): calibrated (default), head, or raw (the ablation)")
+                   "joint, coverage): calibrated, head, or raw (the ablation)")
     p.add_argument("--values-sweep", type=_csv(str), default=(), help="ablation: extra columns per cost-aware "
                    "method with these value models, e.g. raw,calibrated,head")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as `moespec profile`; "
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as `moespec profile`; "
                    "0 = torch's default)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
@@ -93,6 +97,7 @@ def _validate(args) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
+    process_entry = argv is None  # `python -m benchmarks.run`: the process ends when this returns
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     from ..engine.config import TreeConfig
@@ -104,13 +109,14 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
         set_threads(args.threads)
         _validate(args)
         tree = TreeConfig.parse(args.tree)
+        _check_output_paths(args)
         specs = resolve_methods(args)
         prompts = {ds: load_prompts(ds, args.num_prompts) for ds in args.datasets}
     except (ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     started, machine = time.time(), machine_description(args.device)
-    state, status, error, rc, runners = BenchState(), "complete", None, 0, []
+    state, status, error, rc, runners, sigint = BenchState(), "complete", None, 0, [], None
     try:
         runners = _build_runners(specs, args, tree)
         warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens)
@@ -126,8 +132,11 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
         status, error, rc = "aborted", str(e), 3
         print(f"\n{prog}: {e}", file=sys.stderr)
     except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the report short or print a traceback from interpreter shutdown:
+        # what is left (writing the report) takes well under a second.
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
         status, error, rc = "interrupted", "interrupted by the user (Ctrl-C); partial results", 130
-        print(f"\n{prog}: interrupted; writing the partial report", file=sys.stderr)
+        print(f"\n{prog}: interrupted; writing the partial report (further Ctrl-C ignored)", file=sys.stderr)
     config = _config(args, tree, specs, runners)
     report = build_report(status=status, error=error, command=prog.split() + argv, config=config, machine_start=machine,
                           state=state, analysis_only={s.label: s.analysis_only for s in specs}, started=started,
@@ -137,6 +146,8 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
     print(json.dumps({"status": report["status"], "results": [
         {k: r[k] for k in ("dataset", "method", "temperature", "tokens_per_s", "speedup_vs_ar", "mean_accepted_tokens")}
         for r in report["results"]]}))
+    if sigint is not None and not process_entry:
+        signal.signal(signal.SIGINT, sigint)  # called in-process (tests, scripts): give Ctrl-C back
     return rc
 
 
@@ -179,17 +190,40 @@ def _profile_info(runners) -> dict | None:
     return None
 
 
+def _check_output_paths(args) -> None:
+    """Refuse output paths that could only fail after the whole run: a directory where a file goes or the
+    reverse, or a parent that is a file."""
+    for flag, value, want_dir in (("--json", args.json, False), ("--markdown", args.markdown, False),
+                                  ("--plots", args.plots, True)):
+        if value is None:
+            continue
+        path = Path(value)
+        if path.exists() and path.is_dir() != want_dir:
+            raise ValueError(f"{flag} {value} is {'a file' if want_dir else 'a directory'}; give a "
+                             f"{'directory' if want_dir else 'file path'}")
+        parent = next((p for p in path.parents if p.exists()), Path("."))
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {value}: {parent} is not a directory")
+
+
 def _write_outputs(report: dict, args) -> None:
-    from pathlib import Path
+    """Write the requested outputs atomically; an incomplete report goes beside any existing file
+    (NAME.partial.EXT) instead of replacing it."""
+    from .report import markdown, partial_path, write_json, write_text_atomic
 
-    from .report import markdown, write_json
-
-    if args.json:
-        write_json(report, args.json)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown(report))
+    incomplete = report["status"] != "complete"
+    for flag, value, write in (("--json", args.json, lambda p: write_json(report, p)),
+                               ("--markdown", args.markdown, lambda p: write_text_atomic(p, markdown(report)))):
+        if value:
+            path = partial_path(value) if incomplete else Path(value)
+            write(path)
+            if path != Path(value):
+                print(f"{flag}: {value} exists and is kept; the {report['status']} report went to {path}",
+                      file=sys.stderr)
     if args.plots:
         from .plots import write_plots
 
-        write_plots(report, args.plots)
+        plots = Path(args.plots)
+        if incomplete and plots.is_dir() and any(plots.iterdir()):
+            plots = plots.with_name(plots.name + ".partial")
+        write_plots(report, plots)

@@ -123,5 +123,6 @@ def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, de
 
     llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
               cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
-              policy_options=spec.options or None, values=spec.values, **dict(spec.llm_options))
+              policy_options=spec.options or None, values=spec.values, threads=None,  # bench set --threads
+              **dict(spec.llm_options))
     return MethodRunner(spec, llm)

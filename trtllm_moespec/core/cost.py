@@ -110,24 +110,28 @@ class CostTable:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "CostTable":
+        """Parse the JSON form; every field's type is checked so a hand-edited file fails naming the field."""
         if not isinstance(d, dict) or "costs" not in d:
             raise ValueError("not a cost profile: missing 'costs'")
         if d.get("version", COST_PROFILE_VERSION) != COST_PROFILE_VERSION:
             raise ValueError(f"cost profile version {d.get('version')} is not supported (expected {COST_PROFILE_VERSION})")
+        for name in ("model_id", "device", "dtype", "method", "date"):
+            if d.get(name) is not None and not isinstance(d[name], str):
+                raise ValueError(f"field {name!r} must be a string, got {d[name]!r}")
         em = d.get("expert_model")
         return CostTable(
-            costs=tuple(d["costs"]),
+            costs=_numbers(d["costs"], "costs"),
             model_id=d.get("model_id", "unknown"),
             device=d.get("device", "unknown"),
             dtype=d.get("dtype", "unknown"),
-            tree=tuple(d["tree"]) if d.get("tree") is not None else None,
+            tree=_tree_field(d["tree"]) if d.get("tree") is not None else None,
             method=d.get("method", ""),
             date=d.get("date", ""),
-            spread=tuple(d["spread"]) if d.get("spread") is not None else None,
-            expert_model=ExpertCostModel(**em) if em else None,
+            spread=_numbers(d["spread"], "spread") if d.get("spread") is not None else None,
+            expert_model=_expert_model_field(em) if em else None,
             plain_step=d.get("plain_step"),
             draft_forward=d.get("draft_forward"),
-            load_average=tuple(d["load_average"]) if d.get("load_average") is not None else None,
+            load_average=_numbers(d["load_average"], "load_average") if d.get("load_average") is not None else None,
         )
 
     @staticmethod
@@ -139,11 +143,49 @@ class CostTable:
             raise FileNotFoundError(f"cost profile not found: {path}")
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"cost profile {path} is not valid JSON: {e}") from None
-        table = CostTable.from_json(data)
+        try:
+            table = CostTable.from_json(data)
+        except ValueError as e:
+            raise ValueError(f"cost profile {path}: {e}") from None
         table.check_compatible(model_id, device, dtype, tree, override)
         return table
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _numbers(value: Any, name: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or not all(_is_number(x) for x in value):
+        raise ValueError(f"field {name!r} must be a list of numbers (seconds), got {value!r:.80}")
+    return tuple(float(x) for x in value)
+
+
+def _tree_field(value: Any) -> tuple[int, int, int]:
+    if not isinstance(value, list) or len(value) != 3 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in value):
+        raise ValueError(f"field 'tree' must be [steps, topk, max_draft_tokens] integers, got {value!r:.80}")
+    return tuple(value)
+
+
+def _expert_model_field(value: Any) -> "ExpertCostModel":
+    names = ("c0", "c_tok", "c_exp", "residual_rms", "num_samples")
+    if not isinstance(value, dict):
+        raise ValueError(f"field 'expert_model' must be an object with {', '.join(names[:3])}, got {value!r:.80}")
+    for key, x in value.items():
+        if key not in names:
+            raise ValueError(f"field 'expert_model.{key}' is unknown (expected {', '.join(names)})")
+        if not _is_number(x):
+            raise ValueError(f"field 'expert_model.{key}' must be a number, got {x!r:.80}")
+    missing = [k for k in names[:3] if k not in value]
+    if missing:
+        raise ValueError(f"field 'expert_model' lacks {', '.join(missing)}")
+    try:
+        return ExpertCostModel(**value)
+    except ValueError as e:
+        raise ValueError(f"field 'expert_model': {e}") from None
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ acceptance needs an argmax match (best child q ~ 0.2 is accepted ~70% of the tim
     value(v) = prod over the root->v path of c(u),   c(u) = P(target accepts u | u's parent accepted)
 
 A `ValueModel` produces the conditional c(v) of every node from a per-node *local
-score* x(v) (the draft probability q, or a learned head's output) through a per-depth
-monotone (isotonic) map, then composes it along the path. Because every c lies in
+score* x(v) (the draft probability q, or a learned head's output) through a monotone
+(isotonic) map per node group (depth x sibling rank x "repeats the context", see
+`Calibrator`), then composes it along the path. Because every c lies in
 (0, 1], a child's value never exceeds its parent's: score-ordered prefixes stay
 parent-closed, exactly as with raw scores (ties break by depth, so a parent comes first).
 
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from .node_features import RecentFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
 
@@ -130,11 +132,11 @@ def isotonic_fit(y: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CalibrationTable:
-    """Per-depth binned trials of one temperature: the sufficient statistics of the isotonic map."""
+    """Binned trials of one temperature per node group: the sufficient statistics of the isotonic maps."""
 
     temperature: float
-    trials: tuple[tuple[float, ...], ...]  # [D][M] trials per (depth, local-score bin); depth D+ shares row D
-    accepted: tuple[tuple[float, ...], ...]  # [D][M] accepted trials
+    trials: tuple[tuple[float, ...], ...]  # [G][M] trials per (group, local-score bin)
+    accepted: tuple[tuple[float, ...], ...]  # [G][M] accepted trials
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(self.trials, dtype=np.float64), np.asarray(self.accepted, dtype=np.float64)
@@ -142,25 +144,36 @@ class CalibrationTable:
 
 @dataclass(frozen=True)
 class Calibrator:
-    """Per-depth monotone maps from a local score in [0, 1] to conditional acceptance.
+    """Monotone maps from a local score in [0, 1] to conditional acceptance, one per node group.
 
-    `prior_weight` caps the prior's trials per bin, so a request's own observations can
-    move the map within a few steps (the text's predictability changes from prompt to prompt).
+    A node's group is (depth, its rank among its siblings by q, whether its token is the most
+    recent continuation of the last two tokens of its path in the context): acceptance differs
+    far more across these than q says (the best child is accepted ~70% of the time at q ~ 0.2;
+    a token that repeats what followed last time is accepted far more often on repetitive text).
+    Depths beyond `num_depths` share the last depth's maps; ranks beyond `num_ranks` the last rank's.
+    `prior_weight` caps the prior's trials per bin, so a request's own observations can move the
+    maps within a few steps (predictability changes from prompt to prompt).
     """
 
     edges: tuple[float, ...] = DEFAULT_EDGES
     tables: tuple[CalibrationTable, ...] = ()  # one per calibrated temperature; none = identity prior
     prior_weight: float = 50.0
     source: str = "identity"  # where the prior came from (command / data), for the record
+    num_depths: int = 4
+    num_ranks: int = 3
+    copy: bool = True  # split groups by the copy feature (needs the context)
 
     def __post_init__(self) -> None:
         e = np.asarray(self.edges)
         if e.ndim != 1 or len(e) < 2 or e[0] != 0.0 or e[-1] != 1.0 or (np.diff(e) <= 0).any():
             raise ValueError("calibrator bin edges must increase strictly from 0 to 1")
+        if self.num_depths < 1 or self.num_ranks < 1:
+            raise ValueError("calibrator num_depths and num_ranks must be >= 1")
         for t in self.tables:
             tr, ac = t.arrays()
-            if tr.ndim != 2 or tr.shape[1] != len(e) - 1 or ac.shape != tr.shape:
-                raise ValueError(f"calibrator table for T={t.temperature} must be [depth, {len(e) - 1}] bins")
+            if tr.shape != (self.num_groups, len(e) - 1) or ac.shape != tr.shape:
+                raise ValueError(f"calibrator table for T={t.temperature} must be [{self.num_groups} groups, "
+                                 f"{len(e) - 1} bins], got {tr.shape}")
             if (ac < 0).any() or (ac > tr + 1e-9).any():
                 raise ValueError("calibrator table has accepted counts outside [0, trials]")
         if not self.prior_weight > 0:
@@ -170,12 +183,34 @@ class Calibrator:
     def num_bins(self) -> int:
         return len(self.edges) - 1
 
+    @property
+    def num_groups(self) -> int:
+        return self.num_depths * self.num_ranks * (2 if self.copy else 1)
+
+    def group_ids(self, depth: np.ndarray, rank: np.ndarray, copies: np.ndarray) -> np.ndarray:
+        """Group index of nodes with these depths (>= 1), sibling ranks and copy flags."""
+        g = (np.clip(depth, 1, self.num_depths) - 1) * self.num_ranks + np.clip(rank, 0, self.num_ranks - 1)
+        return g * 2 + np.asarray(copies, dtype=np.int64) if self.copy else g
+
+    def node_groups(self, tree: DraftTree, context: list[int] | None, index=None) -> np.ndarray:
+        """[B, N] group of every node (0 for padding); `index`: a per-request RecentFollowers (batch of one)."""
+        B, N = tree.token_ids.shape
+        out = np.zeros((B, N), dtype=np.int64)
+        for b in range(B):
+            row = DraftTree(*(t[b:b + 1] for t in (tree.token_ids, tree.parents, tree.depth, tree.draft_probs,
+                                                   tree.log_scores, tree.valid)))
+            rank = sibling_rank(row) if self.num_ranks > 1 else np.zeros(N, dtype=np.int64)
+            copies = copies_recent(row, context, index=index if B == 1 else None) if (self.copy and context) \
+                else np.zeros(N, dtype=np.int64)
+            out[b] = self.group_ids(row.depth[0].cpu().numpy(), rank, copies)
+        return out
+
     def prior_for(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """(trials, accepted) [D, M] of the table nearest in temperature, capped at prior_weight per bin;
-        an identity prior (weight 1, rate = bin centre) where nothing was observed."""
+        """(trials, accepted) [G, M] of the table nearest in temperature, capped at prior_weight per bin,
+        plus an identity pseudo-trial per bin (rate = bin centre) so that empty bins stay defined."""
         centers = self.centers()
         if not self.tables:
-            return np.ones((1, self.num_bins)), centers[None].copy()
+            return np.ones((self.num_groups, self.num_bins)), np.repeat(centers[None], self.num_groups, 0)
         table = min(self.tables, key=lambda t: abs(t.temperature - temperature))
         trials, acc = table.arrays()
         scale = np.minimum(1.0, self.prior_weight / np.maximum(trials, 1e-12))
@@ -192,8 +227,8 @@ class Calibrator:
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> str:
         return json.dumps({
-            "format": CALIBRATOR_FORMAT, "version": 1, "edges": list(self.edges), "prior_weight": self.prior_weight,
-            "source": self.source,
+            "format": CALIBRATOR_FORMAT, "version": 2, "edges": list(self.edges), "prior_weight": self.prior_weight,
+            "source": self.source, "num_depths": self.num_depths, "num_ranks": self.num_ranks, "copy": self.copy,
             "tables": [{"temperature": t.temperature, "trials": [list(r) for r in t.trials],
                         "accepted": [list(r) for r in t.accepted]} for t in self.tables],
         }, indent=1) + "\n"
@@ -215,31 +250,40 @@ class Calibrator:
                 raise ValueError(f"format is {raw.get('format')!r}, expected {CALIBRATOR_FORMAT!r}")
             tables = tuple(CalibrationTable(float(t["temperature"]), tuple(tuple(map(float, r)) for r in t["trials"]),
                                             tuple(tuple(map(float, r)) for r in t["accepted"])) for t in raw["tables"])
-            return Calibrator(tuple(map(float, raw["edges"])), tables, float(raw["prior_weight"]), str(raw["source"]))
+            return Calibrator(tuple(map(float, raw["edges"])), tables, float(raw["prior_weight"]), str(raw["source"]),
+                              int(raw["num_depths"]), int(raw["num_ranks"]), bool(raw["copy"]))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"value calibrator {path} is malformed: {err}") from None
 
     @staticmethod
-    def fit(samples: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]], max_depth: int,
-            edges: tuple[float, ...] = DEFAULT_EDGES, prior_weight: float = 50.0, source: str = "") -> "Calibrator":
-        """Prior from observed trials: samples[temperature] = (depth [n], local score [n], accepted [n])."""
+    def identity(weight: float) -> "Calibrator":
+        """A prior that trusts the local score as it is (rate = bin centre) with `weight` trials per bin,
+        one group: for a local score that is already a calibrated probability (the acceptance head)."""
+        e = np.asarray(DEFAULT_EDGES)
+        centers = (e[:-1] + e[1:]) / 2
+        table = CalibrationTable(0.0, (tuple(float(weight) for _ in centers),),
+                                 (tuple(float(weight * c) for c in centers),))
+        return Calibrator(DEFAULT_EDGES, (table,), weight, f"identity, weight {weight:g}", 1, 1, False)
+
+    def fit(self, samples: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]], source: str = "") -> "Calibrator":
+        """This grouping with a prior from observed trials: samples[temperature] = (group [n], local score [n],
+        accepted [n] in [0, 1])."""
         tables = []
-        for temperature, (depth, score, hit) in sorted(samples.items()):
-            trials, acc = _bin_counts(np.asarray(edges), depth, score, hit, max_depth)
+        for temperature, (group, score, hit) in sorted(samples.items()):
+            trials, acc = _bin_counts(np.asarray(self.edges), group, score, hit, self.num_groups)
             tables.append(CalibrationTable(float(temperature), tuple(map(tuple, trials.tolist())),
                                            tuple(map(tuple, acc.tolist()))))
-        return Calibrator(tuple(edges), tuple(tables), prior_weight, source)
+        return replace(self, tables=tuple(tables), source=source)
 
 
-def _bin_counts(edges: np.ndarray, depth: np.ndarray, score: np.ndarray, hit: np.ndarray, max_depth: int
+def _bin_counts(edges: np.ndarray, group: np.ndarray, score: np.ndarray, hit: np.ndarray, num_groups: int
                 ) -> tuple[np.ndarray, np.ndarray]:
     M = len(edges) - 1
-    trials, acc = np.zeros((max_depth, M)), np.zeros((max_depth, M))
-    if len(depth):
-        d = np.clip(np.asarray(depth) - 1, 0, max_depth - 1)
+    trials, acc = np.zeros((num_groups, M)), np.zeros((num_groups, M))
+    if len(group):
         m = np.clip(np.searchsorted(edges, np.asarray(score, dtype=np.float64), side="right") - 1, 0, M - 1)
-        np.add.at(trials, (d, m), 1.0)
-        np.add.at(acc, (d, m), np.asarray(hit, dtype=np.float64))
+        np.add.at(trials, (np.asarray(group), m), 1.0)
+        np.add.at(acc, (np.asarray(group), m), np.asarray(hit, dtype=np.float64))
     return trials, acc
 
 
@@ -248,39 +292,38 @@ class OnlineCalibration:
     """A calibrator's running state for one request: prior + this request's trials, refit lazily."""
 
     edges: np.ndarray  # [M+1]
-    trials: np.ndarray  # [D, M]
-    accepted: np.ndarray  # [D, M]
-    _maps: np.ndarray | None = field(default=None, repr=False)  # [D, M] fitted rates (None = stale)
+    trials: np.ndarray  # [G, M]
+    accepted: np.ndarray  # [G, M]
+    _maps: np.ndarray | None = field(default=None, repr=False)  # [G, M] fitted rates (None = not fitted yet)
+    _stale: set = field(default_factory=set, repr=False)  # groups whose counts changed since the last fit
 
     def maps(self) -> np.ndarray:
-        """[D, M] isotonic conditional-acceptance rate per (depth, bin)."""
+        """[G, M] isotonic conditional-acceptance rate per (group, bin); refits only the groups that changed."""
         if self._maps is None:
-            rate = self.accepted / np.maximum(self.trials, 1e-12)
-            self._maps = np.stack([isotonic_fit(r, w) for r, w in zip(rate, self.trials)])
+            self._maps = np.zeros_like(self.trials)
+            self._stale = set(range(self.trials.shape[0]))
+        for g in self._stale:
+            self._maps[g] = isotonic_fit(self.accepted[g] / np.maximum(self.trials[g], 1e-12), self.trials[g])
+        self._stale = set()
         return self._maps
 
-    def conditional(self, depth: np.ndarray, score: np.ndarray) -> np.ndarray:
-        """Conditional acceptance of nodes with these depths (>= 1) and local scores, interpolated
-        linearly between bin centres (monotone in the score at every depth)."""
+    def conditional(self, group: np.ndarray, score: np.ndarray) -> np.ndarray:
+        """Conditional acceptance of nodes of these groups with these local scores, interpolated linearly
+        between bin centres (monotone in the score within every group)."""
         maps = self.maps()
         centers = (self.edges[:-1] + self.edges[1:]) / 2
-        out = np.empty(score.shape, dtype=np.float64)
-        d = np.clip(depth - 1, 0, maps.shape[0] - 1)
-        for k in np.unique(d):
-            sel = d == k
-            out[sel] = np.interp(score[sel], centers, maps[k])
+        x = np.clip(score, centers[0], centers[-1])
+        hi = np.clip(np.searchsorted(centers, x, side="right"), 1, len(centers) - 1)
+        w = (x - centers[hi - 1]) / (centers[hi] - centers[hi - 1])
+        out = maps[group, hi - 1] * (1 - w) + maps[group, hi] * w
         return np.clip(out, _MIN_COND, 1.0)
 
-    def update(self, depth: np.ndarray, score: np.ndarray, hit: np.ndarray) -> None:
-        if len(depth) == 0:
+    def update(self, group: np.ndarray, score: np.ndarray, hit: np.ndarray) -> None:
+        if len(group) == 0:
             return
-        D = self.trials.shape[0]
-        if int(depth.max()) > D:  # a deeper tree than the prior covers: new rows start from the last one
-            extra = int(depth.max()) - D
-            self.trials = np.concatenate([self.trials, np.repeat(self.trials[-1:], extra, 0)])
-            self.accepted = np.concatenate([self.accepted, np.repeat(self.accepted[-1:], extra, 0)])
-        t, a = _bin_counts(self.edges, depth, score, hit, self.trials.shape[0])
-        self.trials, self.accepted, self._maps = self.trials + t, self.accepted + a, None
+        t, a = _bin_counts(self.edges, group, score, hit, self.trials.shape[0])
+        self.trials, self.accepted = self.trials + t, self.accepted + a
+        self._stale |= set(np.unique(group).tolist())
 
 
 # ---------------------------------------------------------------------------------------------- value models
@@ -312,7 +355,7 @@ def draft_prob(tree: DraftTree, draft=None, context: list[int] | None = None) ->
 
 @dataclass(frozen=True)
 class CalibratedValues:
-    """Values = per-depth isotonic map of a local score, composed along the path, updated online.
+    """Values = per-group isotonic map of a local score, composed along the path, updated online.
 
     With `local=draft_prob` this is the calibrated draft probability; a learned acceptance
     head plugs in its own local score (and keeps the online correction).
@@ -331,19 +374,22 @@ class CalibratedValues:
 class _CalibratedRequest:
     model: CalibratedValues
     state: OnlineCalibration
-    _last_local: torch.Tensor | None = None  # [B, N] local scores of the last tree valued
+    _last: tuple[torch.Tensor, np.ndarray] | None = None  # local scores [B, N] and groups [B, N] of the last tree
+    _index: RecentFollowers = field(default_factory=RecentFollowers)  # the context's n-gram followers, incremental
 
     def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
         local = self.model.local(tree, draft, context).detach().float()
-        self._last_local = local
+        groups = self.model.calibrator.node_groups(tree, context, self._index)
+        self._last = (local, groups)
         cond = np.ones(tuple(tree.token_ids.shape))
         valid = tree.valid.cpu().numpy()
         if valid.any():
-            cond[valid] = self.state.conditional(tree.depth.cpu().numpy()[valid], local.cpu().double().numpy()[valid])
+            cond[valid] = self.state.conditional(groups[valid], local.cpu().double().numpy()[valid])
         return path_values(tree, torch.from_numpy(cond))
 
     def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
-        if not self.model.online or self._last_local is None or self._last_local.shape != tree.token_ids.shape:
+        if not self.model.online or self._last is None or self._last[0].shape != tree.token_ids.shape:
             return
-        rows, nodes, depth, hit = observed_trials(tree, node_idx, accepted)
-        self.state.update(depth, self._last_local.cpu().double().numpy()[rows, nodes], hit)
+        local, groups = self._last
+        rows, nodes, _, hit = observed_trials(tree, node_idx, accepted)
+        self.state.update(groups[rows, nodes], local.cpu().double().numpy()[rows, nodes], hit)

@@ -74,6 +74,8 @@ def verify_tree(
     uniforms = uniforms.to(device=target_logits.device, dtype=torch.float32)
     if T == 1:  # no draft nodes: a plain decoding step
         return _plain_step(layout, target_logits, configs, uniforms)
+    if all(c.greedy for c in configs):
+        return _greedy_tree(layout, target_logits)
     children = _children(layout)  # [B, T, C]
     D = layout.max_depth
     rows = torch.arange(B, device=target_logits.device)
@@ -101,6 +103,32 @@ def verify_tree(
         if bool(done.all()):
             break
     return _result(layout, accepted_pos, num_accepted, bonus)
+
+
+def _greedy_tree(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy acceptance without a walk: one argmax over every position, then the deepest node
+    whose whole path matches. A node matches when its token is the argmax at its parent and no
+    earlier sibling matched first (the walk's "first child in layout order"); matched nodes whose
+    ancestors all match form one chain, which is exactly the path the walk accepts."""
+    B, T = layout.token_ids.shape
+    rows = torch.arange(B, device=target_logits.device)
+    best = target_logits.argmax(-1)  # [B, T]
+    parent = layout.parent_pos.clamp(min=0)
+    match = layout.valid & (layout.parent_pos >= 0) & (layout.token_ids == best.gather(1, parent))
+    pos = torch.arange(T, device=match.device).expand(B, T)
+    first = torch.full((B, T), T, dtype=torch.int64, device=match.device)  # first matching child per parent
+    first.scatter_reduce_(1, parent, torch.where(match, pos, T), reduce="amin")
+    match &= first.gather(1, parent) == pos
+    match[:, 0] = True  # the root
+    paths = layout.paths  # [B, T, D+1]
+    on_path = match.gather(1, paths.clamp(min=0).reshape(B, -1)).view_as(paths) | (paths < 0)
+    depth = torch.where(on_path.all(-1) & layout.valid, layout.depth, -1)
+    last = depth.argmax(1)  # [B] the last accepted node (0 = root: nothing accepted)
+    visited = paths[rows, last]  # [B, D+1] root .. last, -1 pad
+    seen = target_logits.gather(1, visited.clamp(min=0)[:, :, None].expand(-1, -1, target_logits.shape[-1]))
+    if not torch.isfinite(seen[visited >= 0]).all():
+        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+    return _result(layout, visited[:, 1:], depth[rows, last], best[rows, last])
 
 
 def _plain_step(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Drafting keeps every expanded candidate and verification builds masks over the selected nodes
+# (quadratic in their number), so the tree is bounded before anything is allocated: a typo such as
+# 4,8,100000 used to reach a 10 GB mask allocation and the OOM killer.
+MAX_TREE_NODES = 4096
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -16,8 +21,15 @@ class TreeConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "topk", "max_draft_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TreeConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_tree_nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree {self.steps},{self.topk},{self.max_draft_tokens} drafts topk + (steps-1)*topk^2 = "
+                             f"{self.num_tree_nodes} nodes per step; the limit is {MAX_TREE_NODES}")
+        if self.max_draft_tokens > self.num_tree_nodes:
+            raise ValueError(f"tree {self.steps},{self.topk},{self.max_draft_tokens}: max_draft_tokens "
+                             f"{self.max_draft_tokens} exceeds the {self.num_tree_nodes} nodes the tree drafts "
+                             f"(max_draft_tokens <= topk + (steps-1)*topk^2)")
 
     @property
     def num_tree_nodes(self) -> int:

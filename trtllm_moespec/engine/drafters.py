@@ -60,7 +60,8 @@ class Eagle3Source:
         rule = self.stop_rule
         if rule is not None and state.node_values is not None:
             rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
-        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, rule)
+        expand = None if rule is None else _should_expand(rule)
+        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
         return Draft(out.tree, out.node_hidden)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
@@ -82,6 +83,16 @@ class Eagle3Source:
             state.pending_ids.clear()
             state.pending_hidden.clear()
             self.drafter.extend(state.cache, ids.to(self.drafter.lm_head.weight.device), hidden)
+
+
+def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
+    """The drafter's `should_expand(tree, frontier [F])` hook from a core.drafting stop rule."""
+
+    def should_expand(tree: DraftTree, frontier: torch.Tensor) -> bool:
+        num_forwards = int(tree.depth[0, frontier].max()) - 1  # a depth-d frontier took d - 1 forwards
+        return not bool(rule(tree, frontier[None], num_forwards)[0])
+
+    return should_expand
 
 
 @dataclass

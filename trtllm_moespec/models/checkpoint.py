@@ -1,8 +1,11 @@
 """Checkpoint-directory checks shared by the target and drafter loaders.
 
-Everything here runs before any weights are read, so a bad directory fails fast
+The directory checks run before any weights are read, so a bad directory fails fast
 with an error that names the problem: missing directory or config.json, pickle-only
 weights (refused: safetensors only), missing shards, or a corrupt safetensors header.
+`load_hf_checked` then loads a transformers model and refuses weights that do not
+cover the model (a missing tensor would otherwise stay randomly initialised behind a
+warning) or that disagree with config.json (e.g. its hidden_size).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def read_config_json(path: str | Path, what: str) -> dict:
     if not config_file.is_file():
         raise FileNotFoundError(f"{what} has no config.json: {path}")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{what} config.json is not valid JSON ({config_file}): {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what} config.json must hold a JSON object, got {type(config).__name__} ({config_file})")
+    return config
 
 
 def check_safetensors_dir(path: Path, what: str) -> dict:
@@ -79,3 +85,34 @@ def check_safetensors_file(shard: Path, what: str) -> None:
             f.keys()
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError for I/O)
         raise ValueError(f"{what} weights file is corrupt or unreadable: {shard} ({e})") from None
+
+
+def load_hf_checked(model_cls, path: Path, what: str, **kwargs):
+    """`model_cls.from_pretrained(path, **kwargs)` that raises ValueError, naming the tensors, when the
+    checkpoint lacks a tensor the model has or holds one of another shape than config.json implies.
+
+    transformers would initialise such tensors randomly (with a warning) or raise a RuntimeError after
+    printing a table; we ask it for the loading report instead and turn that into one line. Unexpected
+    (extra) tensors are allowed: real checkpoints carry e.g. multi-token-prediction layers we do not use.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would repeat what our error says
+    try:
+        model, info = model_cls.from_pretrained(str(path), output_loading_info=True, ignore_mismatched_sizes=True,
+                                                **kwargs)
+    finally:
+        hf_logging.set_verbosity(level)
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    if mismatched:
+        name, have, want = mismatched[0]
+        raise ValueError(f"{what} at {path} does not match its config.json: {len(mismatched)} tensors have other "
+                         f"shapes, e.g. {name} is {tuple(have)} in the weights but config.json implies {tuple(want)} "
+                         "(check hidden_size, intermediate sizes, num_experts, vocab_size)")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(f"{what} at {path} is missing {len(missing)} tensor(s) the model needs: {shown} "
+                         "(the weights are incomplete or belong to another architecture)")
+    return model

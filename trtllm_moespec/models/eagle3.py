@@ -102,16 +102,42 @@ class Eagle3Output:
 @dataclass
 class Eagle3Cache:
     """Per-request drafter state (mutable; owned by the engine): KV of committed positions
-    plus the last position's outputs, which propose the root's children."""
+    plus the last position's outputs, which propose the root's children.
 
-    keys: torch.Tensor | None = None  # [1, KVH, S, D]
-    values: torch.Tensor | None = None  # [1, KVH, S, D]
+    K/V live in one preallocated buffer written in place (no concatenation per step);
+    positions past `num_tokens` are scratch space that tree drafting writes its keys to.
+    """
+
+    kv: torch.Tensor | None = None  # [2, 1, KVH, capacity, D] keys (0) and values (1)
+    num_tokens: int = 0  # committed drafter positions S
     last_logits: torch.Tensor | None = None  # [1, V_draft] float32 at position S-1
     last_hidden: torch.Tensor | None = None  # [1, H] pre-norm output at position S-1
 
     @property
-    def num_tokens(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+    def keys(self) -> torch.Tensor | None:
+        """[1, KVH, S, D] view of the committed keys."""
+        return None if self.kv is None else self.kv[0, :, :, :self.num_tokens]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.kv is None else self.kv[1, :, :, :self.num_tokens]
+
+    def reserve(self, length: int, num_kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
+        """The buffer, grown (doubling, contents kept) to hold `length` positions."""
+        if self.kv is None or self.kv.shape[3] < length:
+            capacity = max(length, 256 if self.kv is None else 2 * self.kv.shape[3])
+            kv = torch.zeros(2, 1, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            if self.kv is not None:
+                kv[:, :, :, :self.kv.shape[3]] = self.kv
+            self.kv = kv
+        return self.kv
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Llama form: normalise in float32, cast back, scale)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class _RMSNorm(nn.Module):
@@ -121,9 +147,7 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _rms(x, self.weight, self.eps)
 
 
 class _Attention(nn.Module):
@@ -189,6 +213,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = _rotary(config)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D]
 
     # ------------------------------------------------------------------ network
     def forward(
@@ -199,6 +224,8 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_kv: torch.Tensor | None = None,
+        cache_start: int = 0,
     ) -> Eagle3Output:
         """One pass of the head over T positions (training or inference).
 
@@ -207,6 +234,8 @@ class Eagle3Drafter(nn.Module):
         paired with them. position_ids [B, T] (default: S..S+T-1 after the S past positions).
         attention_mask: additive float [B, 1, T, S+T] (default: causal). past_kv: keys/values
         [B, KVH, S, D] to attend to before this forward's own positions (not modified).
+        cache_kv [2, B, KVH, capacity, D] with cache_start=S instead: the S past positions are
+        read from it and this forward's keys/values are written in place at S..S+T-1.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -214,47 +243,90 @@ class Eagle3Drafter(nn.Module):
         embeds = embeds.to(self.fc.weight.dtype)
         h = hidden_states.to(self.fc.weight.dtype)
         if h.shape[-1] == self.fc.in_features:
-            h = self.fc(h)
+            h = F.linear(h, self.fc.weight)
         elif h.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden_states width {h.shape[-1]} is neither 3*target_hidden_size "
                              f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
         B, T, _ = h.shape
-        S = 0 if past_kv is None else past_kv[0].shape[2]
+        S = cache_start if cache_kv is not None else (0 if past_kv is None else past_kv[0].shape[2])
         if position_ids is None:
             position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
         if attention_mask is None:
             attention_mask = causal_mask(S, T, h.dtype, h.device)
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(h)], dim=-1)
-        attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv)
+        # Functional calls on the modules' parameters: the same math, without nn.Module call overhead
+        # on the per-step drafting path.
+        layer, eps = self.midlayer, self.config.rms_norm_eps
+        x = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), _rms(h, layer.hidden_norm.weight, eps)], dim=-1)
+        attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv, cache_kv, S)
         h = h + attn
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.norm(h)).float()
+        mlp, y = layer.mlp, _rms(h, layer.post_attention_layernorm.weight, eps)
+        h = h + F.linear(mlp.act_fn(F.linear(y, mlp.gate_proj.weight)) * F.linear(y, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+        logits = F.linear(_rms(h, self.norm.weight, eps), self.lm_head.weight).float()
         return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
 
-    def _attention(self, x, position_ids, attention_mask, past_kv):
+    def _attention(self, x, position_ids, attention_mask, past_kv, cache_kv=None, start: int = 0):
         a = self.midlayer.self_attn
         B, T, _ = x.shape
-        q = a.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cos, sin = self.rotary_emb(x, position_ids)
-        cos, sin = cos[:, None], sin[:, None]
+        q = F.linear(x, a.q_proj.weight).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = F.linear(x, a.k_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = F.linear(x, a.v_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = self._rope(x, position_ids)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        all_k = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)
-        all_v = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)
-        rep = a.num_heads // a.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q, all_k.repeat_interleave(rep, dim=1), all_v.repeat_interleave(rep, dim=1),
-            attn_mask=attention_mask.to(q.dtype),
-        )
-        out = a.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        if cache_kv is not None:  # write in place, read the prefix and this forward's keys as views
+            cache_kv[0, :, :, start:start + T] = k
+            cache_kv[1, :, :, start:start + T] = v
+            all_k, all_v = cache_kv[0, :, :, :start + T], cache_kv[1, :, :, :start + T]
+        else:
+            all_k = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)
+            all_v = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=attention_mask.to(q.dtype),
+                                             enable_gqa=a.num_heads != a.num_kv_heads)
+        out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
         return out, k, v
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, T, D] gathered from a table the rotary module filled once (same float ops
+        as calling it per forward; the table grows when a position past it appears)."""
+        table = self._rope_table
+        covered = table is not None and table[0].dtype == x.dtype and table[0].device == x.device
+        # Once the table covers max_position_embeddings no position is checked (no host sync per forward).
+        need = 0 if covered and table[0].shape[0] >= self.config.max_position_embeddings else int(position_ids.max()) + 1
+        if not covered or table[0].shape[0] < need:
+            length = max(need, self.config.max_position_embeddings)
+            cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
+            table = self._rope_table = (cos[0], sin[0])
+        return table[0][position_ids][:, None], table[1][position_ids][:, None]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids: d + d2t[d]."""
         return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def prune_vocab(self, keep_target_ids: torch.Tensor) -> "Eagle3Drafter":
+        """Restrict the draft vocabulary to the target ids `keep_target_ids` [N] (in place, no
+        retraining): lm_head keeps the rows of those tokens and d2t / t2d describe the new set
+        (the SpecForge format). The softmax then runs over N rows instead of draft_vocab_size:
+        the top-k among kept tokens is unchanged, their probabilities are renormalised over the
+        kept set, and tokens outside it can no longer be proposed (drafting stays lossless)."""
+        current = self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        wanted = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.d2t.device)
+        wanted[keep_target_ids.to(self.d2t.device).long()] = True
+        rows = wanted[current].nonzero()[:, 0]  # draft ids to keep, ascending target ids stay ascending
+        if rows.numel() == 0:
+            raise ValueError("prune_vocab would leave an empty draft vocabulary")
+        head = nn.Linear(self.config.hidden_size, rows.numel(), bias=False).to(self.lm_head.weight)
+        head.weight.copy_(self.lm_head.weight[rows])
+        self.lm_head = head
+        kept = current[rows]
+        self.d2t = kept - torch.arange(kept.numel(), device=kept.device)
+        self.t2d = torch.zeros_like(self.t2d)
+        self.t2d[kept] = True
+        from dataclasses import replace
+
+        self.config = replace(self.config, draft_vocab_size=int(kept.numel()))
+        return self
 
     # -------------------------------------------------------- per-request cache
     def new_cache(self) -> Eagle3Cache:
@@ -269,10 +341,11 @@ class Eagle3Drafter(nn.Module):
                              f"{tuple(token_ids.shape)} and {tuple(target_hidden.shape)}")
         if token_ids.shape[1] == 0:
             return
-        past = None if cache.keys is None else (cache.keys, cache.values)
-        out = self(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), past_kv=past)
-        cache.keys = out.keys if past is None else torch.cat([cache.keys, out.keys], dim=2)
-        cache.values = out.values if past is None else torch.cat([cache.values, out.values], dim=2)
+        S, n = cache.num_tokens, token_ids.shape[1]
+        a = self.midlayer.self_attn
+        kv = cache.reserve(S + n, a.num_kv_heads, a.head_dim, self.lm_head.weight.dtype, self.lm_head.weight.device)
+        out = self(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), cache_kv=kv, cache_start=S)
+        cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
 
     def prefill(self, cache: Eagle3Cache, input_ids: torch.Tensor, target_hidden: torch.Tensor, next_token: int) -> None:
@@ -298,12 +371,12 @@ class Eagle3Drafter(nn.Module):
 
 
     def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None,
-                   stop_rule=None):
+                   should_expand=None):
         """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft.
-        stop_rule(tree, frontier [1, F], num_forwards) -> [1] bool ends drafting early (optional)."""
+        `should_expand(tree, frontier)` -> False stops drafting before the next expansion."""
         from .eagle3_draft import draft_eagle3_tree
 
-        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, stop_rule)
+        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, should_expand)
 
 
 def causal_mask(past_len: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -7,8 +7,7 @@ forward that proposed v) at position `S - 1 + depth(v)`, attending to the whole
 drafter prefix, to its already-drafted ancestors and to itself (a tree mask). Its
 top-`topk` children are added via `core.grow_tree`, which keeps every child in the
 tree and makes the top-`topk` by score the next frontier. DDD's dynamic-depth rule
-(`core.ddd_should_stop`) or a cost-aware `stop_rule` (`core.drafting.DraftStopRule`)
-may end drafting early. Tree keys are kept outside the
+(`core.ddd_should_stop`) may end drafting early. Tree keys are kept outside the
 drafter cache, so drafting never changes the cache: it always holds exactly the
 committed tokens.
 """
@@ -36,6 +35,9 @@ class Eagle3Draft:
     num_forwards: int  # drafter forwards run (steps - 1 unless DDD stopped early)
 
 
+ExpandRule = Callable[[DraftTree, torch.Tensor], bool]  # (tree so far, frontier node idx [F]) -> expand it?
+
+
 @torch.no_grad()
 def draft_eagle3_tree(
     drafter: "Eagle3Drafter",
@@ -43,49 +45,59 @@ def draft_eagle3_tree(
     steps: int,
     topk: int,
     ddd_threshold: float | None = None,
-    stop_rule: Callable[[DraftTree, torch.Tensor, int], torch.Tensor] | None = None,
+    should_expand: ExpandRule | None = None,
 ) -> Eagle3Draft:
-    """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`."""
+    """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`.
+
+    Before each later step, drafting stops when DDD's rule fires (`ddd_threshold`) or when
+    `should_expand(tree, frontier)` returns False: the per-step "expand further?" decision a
+    stop rule plugs in here.
+    """
     if steps < 1 or topk < 1:
         raise ValueError(f"steps and topk must be >= 1, got steps={steps}, topk={topk}")
     if cache.last_logits is None:
         raise ValueError("the drafter cache is empty: call prefill()/extend() before draft_tree()")
     topk = min(topk, drafter.config.draft_vocab_size)
     S = cache.num_tokens
-    device = cache.keys.device
+    attn = drafter.midlayer.self_attn
+    max_slots = (steps - 1) * topk  # tree keys: one per expanded node, written after the committed ones
+    kv = cache.reserve(S + max_slots, attn.num_kv_heads, attn.head_dim, cache.last_hidden.dtype, cache.last_hidden.device)
+    device = kv.device
 
     ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
     tree, frontier = draft_root(ids[:, 0], probs[:, 0])
-    node_hidden = cache.last_hidden[:, None].expand(1, topk, -1)
-    tree_keys = cache.keys.new_zeros(*cache.keys.shape[:2], 0, cache.keys.shape[3])
-    tree_values = tree_keys.clone()
-    drafted = torch.zeros(0, dtype=torch.int64, device=device)  # tree node idx of each tree key slot
-    num_forwards = 0
+    hiddens = [cache.last_hidden[:, None].expand(1, topk, -1)]
+    # ancestors[v, s]: the key in tree slot s belongs to an ancestor of node v (what v's query may see).
+    ancestors = torch.zeros(topk + max_slots * topk, max(max_slots, 1), dtype=torch.bool, device=device)
+    num_slots = num_forwards = block_start = 0
     for _ in range(steps - 1):
         f = frontier[0][frontier[0] >= 0]
-        if f.numel() == 0:
+        F_ = f.numel()
+        if F_ == 0:
             break
         if ddd_threshold is not None and bool(ddd_should_stop(tree.scores[:, f], ddd_threshold)[0]):
             break
-        if stop_rule is not None and bool(stop_rule(tree, f[None], num_forwards)[0]):
-            break  # core.drafting: another forward would not pay for itself
-        mask = _frontier_mask(tree, f, drafted, S, cache.keys.dtype)
+        if should_expand is not None and not should_expand(tree, f):
+            break
+        own = torch.arange(num_slots, num_slots + F_, device=device)  # the frontier's new key slots
+        visible = ancestors[f, :num_slots + F_].clone()  # [F, slots]
+        visible[torch.arange(F_, device=device), own] = True
         out = drafter(
-            node_hidden[:, f],
+            hiddens[-1][:, f - block_start],  # the frontier always comes from the newest block of children
             input_ids=tree.token_ids[:, f],
             position_ids=(S - 1 + tree.depth[:, f]),
-            attention_mask=mask,
-            past_kv=(torch.cat([cache.keys, tree_keys], 2), torch.cat([cache.values, tree_values], 2)),
+            attention_mask=_frontier_mask(visible, S, kv.dtype),
+            cache_kv=kv,
+            cache_start=S + num_slots,
         )
         num_forwards += 1
-        tree_keys = torch.cat([tree_keys, out.keys], 2)
-        tree_values = torch.cat([tree_values, out.values], 2)
-        drafted = torch.cat([drafted, f])
         ids, probs = _top_children(drafter, out.logits, topk)  # [1, F, topk]
+        n = block_start = tree.num_nodes
         tree, frontier = grow_tree(tree, f[None], ids, probs, topk)
-        child_hidden = out.hidden[:, :, None].expand(-1, -1, topk, -1).reshape(1, f.numel() * topk, -1)
-        node_hidden = torch.cat([node_hidden, child_hidden], 1)
-    return Eagle3Draft(tree=tree, node_hidden=node_hidden, num_forwards=num_forwards)
+        ancestors[n:n + F_ * topk, :num_slots + F_] = visible.repeat_interleave(topk, dim=0)
+        num_slots += F_
+        hiddens.append(out.hidden[:, :, None].expand(-1, -1, topk, -1).reshape(1, F_ * topk, -1))
+    return Eagle3Draft(tree=tree, node_hidden=torch.cat(hiddens, 1), num_forwards=num_forwards)
 
 
 def _top_children(drafter: "Eagle3Drafter", logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,23 +107,10 @@ def _top_children(drafter: "Eagle3Drafter", logits: torch.Tensor, topk: int) -> 
     return drafter.to_target_ids(top_d), top_p
 
 
-def _frontier_mask(tree: DraftTree, frontier: torch.Tensor, drafted: torch.Tensor, prefix_len: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, F, S + n_drafted + F] additive mask: prefix visible, drafted keys visible iff an
-    ancestor of the query node, the frontier's own new keys visible only on the diagonal."""
-    F_ = frontier.numel()
-    ancestors = torch.zeros(F_, tree.num_nodes, dtype=torch.bool, device=frontier.device)
-    cur = frontier.clone()
-    rows = torch.arange(F_, device=frontier.device)
-    for _ in range(int(tree.depth[0, frontier].max())):
-        alive = cur >= 0
-        ancestors[rows[alive], cur[alive]] = True
-        cur = torch.where(alive, tree.parents[0, cur.clamp(min=0)], -1)
-    allowed = torch.cat([
-        torch.ones(F_, prefix_len, dtype=torch.bool, device=frontier.device),
-        ancestors[:, drafted],
-        torch.eye(F_, dtype=torch.bool, device=frontier.device),
-    ], 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=frontier.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+def _frontier_mask(visible: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, F, S + slots] additive mask: the committed prefix visible to every frontier node,
+    tree slots as `visible` [F, slots] says (ancestors' keys and the node's own)."""
+    F_, slots = visible.shape
+    mask = torch.zeros(F_, prefix_len + slots, dtype=dtype, device=visible.device)
+    mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]

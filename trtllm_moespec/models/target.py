@@ -9,9 +9,13 @@ temporary hooks, the inputs of the EAGLE-3 capture layers and each MoE router's
 top-k expert ids. `commit` compacts the KV cache so it holds exactly
 prefix + root + accepted nodes, as if those tokens had been decoded one by one.
 
-The KV cache is a transformers `DynamicCache` without a config: every layer keeps
-full history (sliding windows are applied by the mask), so rejected tree slots can
-be dropped and accepted ones copied down without losing tokens a window still needs.
+Two implementations run the same contract (`model_impl`):
+- "lean" (default): our own forward (`lean_forward.py`) over the parameters transformers
+  loaded, on a preallocated `StaticKVCache` with a slot per request; outputs come back as
+  values and commit is one in-place gather.
+- "hf": transformers' own forward with a `DynamicCache` without a config (every layer keeps
+  full history, sliding windows applied by the mask) and temporary hooks for the captures.
+  It is the reference the tests compare the lean forward against.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from torch import nn
 
 from ..core.layout import TreeLayout
 from .arch import ArchSpec, arch_spec, default_capture_layers, layer_types, router_topk_ids
-from .checkpoint import check_safetensors_dir, parse_dtype
+from .checkpoint import check_safetensors_dir, load_hf_checked, parse_dtype
+from .kv_cache import StaticKVCache
+from .lean_forward import ForwardBatch, LeanForward
+
+MODEL_IMPLS = ("lean", "hf")
+DEFAULT_CACHE_LEN = 4096  # initial static-cache length per slot (grows on demand)
 
 
 @dataclass(frozen=True)
@@ -42,15 +51,18 @@ class TargetOutput:
 class TargetCache:
     """Per-request target KV state (mutable; owned by the engine, passed to every call)."""
 
-    kv: object  # transformers DynamicCache, full history in every layer
+    kv: object  # "hf": a transformers DynamicCache (full history in every layer); "lean": the shared StaticKVCache
     num_tokens: int = 0  # committed tokens in `kv` (the next verify's prefix_len)
     num_pending: int = 0  # tree slots appended by the last verify, dropped or kept by commit()
+    slot: int = 0  # "lean": this request's slot in the StaticKVCache
 
 
 class TargetModel:
     """A loaded MoE target with prefill / verify / commit over an explicit `TargetCache`."""
 
-    def __init__(self, model: nn.Module, capture_layers: tuple[int, ...] | None = None):
+    def __init__(self, model: nn.Module, capture_layers: tuple[int, ...] | None = None, model_impl: str = "lean"):
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
         config = model.config
         arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
         self.spec: ArchSpec = arch_spec(arch)
@@ -69,6 +81,14 @@ class TargetModel:
         self._capture_modules = [layers[i] for i in self.capture_layers]
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.model_impl = model_impl
+        self._embed_weight = model.get_input_embeddings().weight  # Module.to() moves it in place
+        self.lean: LeanForward | None = None
+        self._pool: StaticKVCache | None = None
+        if model_impl == "lean":
+            _check_lean_supported(config)
+            self.lean = LeanForward(model, self.spec.name, self.capture_layers, self.layer_types,
+                                    self.sliding_window)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -78,8 +98,12 @@ class TargetModel:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         capture_layers: tuple[int, ...] | None = None,
+        model_impl: str = "lean",
     ) -> "TargetModel":
-        """Load a local Hugging Face checkpoint directory (safetensors only, no remote code)."""
+        """Load a local Hugging Face checkpoint directory (safetensors only, no remote code).
+        `model_impl`: "lean" (our forward over the loaded weights) or "hf" (transformers' forward)."""
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
         import transformers
 
         path = Path(path)
@@ -92,8 +116,8 @@ class TargetModel:
         kwargs = {"use_safetensors": True, "trust_remote_code": False}
         if spec.attn_implementation is not None:
             kwargs["attn_implementation"] = spec.attn_implementation
-        model = model_cls.from_pretrained(str(path), dtype=parse_dtype(dtype), **kwargs)
-        return cls(model.to(device), capture_layers=capture_layers)
+        model = load_hf_checked(model_cls, path, "target checkpoint", dtype=parse_dtype(dtype), **kwargs)
+        return cls(model.to(device), capture_layers=capture_layers, model_impl=model_impl)
 
     def _find_routers(self) -> tuple[tuple[int, ...], list[nn.Module]]:
         moe_layers, routers = [], []
@@ -110,11 +134,11 @@ class TargetModel:
     # --------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return self._embed_weight.device  # read every step: the parameter is looked up once, in __init__
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
+        return self._embed_weight.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -149,9 +173,20 @@ class TargetModel:
         return self.model.get_input_embeddings()
 
     def new_cache(self) -> TargetCache:
-        from transformers import DynamicCache
+        """Per-request KV state: a slot of the shared static cache ("lean"; freed when the returned
+        object is garbage-collected), or a fresh DynamicCache ("hf")."""
+        if self.lean is None:
+            from transformers import DynamicCache
 
-        return TargetCache(kv=DynamicCache())
+            return TargetCache(kv=DynamicCache())
+        if self._pool is None:
+            # Cache indices are not positions: a verify's tree slots sit past the committed tokens,
+            # so a request at the position limit still needs room for its tree. No cap here; the
+            # API rejects prompts longer than the context.
+            self._pool = self.lean.new_cache(min(DEFAULT_CACHE_LEN, self.max_position_embeddings + 256), num_slots=1)
+        cache = TargetCache(kv=self._pool)
+        cache.slot = self._pool.acquire(owner=cache)
+        return cache
 
     # ------------------------------------------------------------------ forwards
     @torch.no_grad()
@@ -163,10 +198,29 @@ class TargetModel:
         self._check_ready(cache, input_ids)
         P, T = cache.num_tokens, input_ids.shape[1]
         positions = torch.arange(P, P + T, device=self.device)[None]
-        mask = self._masks(lambda window: _causal_mask(P, T, self.dtype, self.device, window))
-        out = self._forward(cache, input_ids.to(self.device), positions, mask, logits_to_keep=0 if all_logits else 1)
+        keep = 0 if all_logits else 1
+        if self.lean is not None:
+            out = self._lean_forward(cache, input_ids.to(self.device), positions, None, keep)
+        else:
+            mask = self._masks(lambda window: _causal_mask(P, T, self.dtype, self.device, window))
+            out = self._forward(cache, input_ids.to(self.device), positions, mask, logits_to_keep=keep)
         cache.num_tokens = P + T
         return out
+
+    @torch.no_grad()
+    def forward_windows(self, input_ids: torch.Tensor) -> TargetOutput:
+        """One causal forward over B independent windows input_ids [B, T] from position 0, all
+        logits, nothing kept afterwards (training features)."""
+        B, T = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(T, device=self.device)[None].expand(B, T)
+        if self.lean is not None:
+            pool = self.lean.new_cache(T, num_slots=B)
+            batch = ForwardBatch(input_ids, positions, tuple(range(B)), (0,) * B, None, 0)
+            out = self.lean.forward(pool, batch)
+            return TargetOutput(logits=out.logits, hidden=out.hidden, expert_ids=out.expert_ids)
+        mask = self._masks(lambda window: _causal_mask(0, T, self.dtype, self.device, window))
+        return self._forward(self.new_cache(), input_ids, positions, mask, logits_to_keep=0)
 
     @torch.no_grad()
     def verify(self, cache: TargetCache, layout: TreeLayout) -> TargetOutput:
@@ -181,8 +235,12 @@ class TargetModel:
         self._check_ready(cache, layout.token_ids)
         P = cache.num_tokens
         positions = layout.position_ids(P).to(self.device)
-        mask = self._masks(lambda window: layout.attention_mask(P, self.dtype, window).to(self.device))
-        out = self._forward(cache, layout.token_ids.to(self.device), positions, mask, logits_to_keep=0)
+        if self.lean is not None:
+            tree_mask = layout.tree_mask().to(self.device) if layout.num_positions > 1 else None
+            out = self._lean_forward(cache, layout.token_ids.to(self.device), positions, tree_mask, 0)
+        else:
+            mask = self._masks(lambda window: layout.attention_mask(P, self.dtype, window).to(self.device))
+            out = self._forward(cache, layout.token_ids.to(self.device), positions, mask, logits_to_keep=0)
         cache.num_pending = layout.num_positions
         return out
 
@@ -200,8 +258,12 @@ class TargetModel:
         if accepted.numel() and (accepted.max() >= pending or accepted.min() < 1):
             raise ValueError(f"accepted positions {accepted.tolist()} out of the layout range 1..{pending - 1}")
         n = 1 + accepted.numel()
-        chain = bool(torch.equal(accepted.cpu(), torch.arange(1, n)))
         src = P + torch.cat([accepted.new_zeros(1), accepted])
+        if self.lean is not None:  # one gather over all layers; rejected slots are overwritten later
+            cache.kv.commit(cache.slot, P, src)
+            cache.num_tokens, cache.num_pending = P + n, 0
+            return
+        chain = bool(torch.equal(accepted.cpu(), torch.arange(1, n)))
         for layer in cache.kv.layers:
             if not chain:  # copy accepted slots down; the source is gathered first, so no aliasing
                 layer.keys[:, :, P : P + n] = layer.keys[:, :, src]
@@ -214,9 +276,10 @@ class TargetModel:
     def discard(self, cache: TargetCache) -> None:
         """Drop every slot of the last verify (an analysis-only "peek" forward leaves no trace)."""
         P = cache.num_tokens
-        for layer in cache.kv.layers:
-            layer.keys = layer.keys[:, :, :P]
-            layer.values = layer.values[:, :, :P]
+        if self.lean is None:  # the static cache needs nothing: the next forward overwrites the slots
+            for layer in cache.kv.layers:
+                layer.keys = layer.keys[:, :, :P]
+                layer.values = layer.values[:, :, :P]
         cache.num_pending = 0
 
     # ------------------------------------------------------------------ helpers
@@ -237,6 +300,11 @@ class TargetModel:
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = build(self.sliding_window)
         return masks
+
+    def _lean_forward(self, cache: TargetCache, input_ids, positions, tree_mask, logits_to_keep: int) -> TargetOutput:
+        batch = ForwardBatch(input_ids, positions, (cache.slot,), (cache.num_tokens,), tree_mask, logits_to_keep)
+        out = self.lean.forward(cache.kv, batch)
+        return TargetOutput(logits=out.logits, hidden=out.hidden, expert_ids=out.expert_ids)
 
     def _forward(self, cache: TargetCache, input_ids, positions, mask, logits_to_keep: int) -> TargetOutput:
         recorder = _Recorder(self._capture_modules, self._routers, self.experts_per_token)
@@ -297,3 +365,12 @@ def _causal_mask(prefix_len: int, num_new: int, dtype, device, window: int | Non
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
+
+
+def _check_lean_supported(config) -> None:
+    """The lean forward precomputes rotary tables: rope types whose frequencies depend on the
+    running sequence length need transformers' forward."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {kind!r} is not supported by model_impl='lean'; use model_impl='hf'")

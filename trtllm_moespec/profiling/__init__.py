@@ -80,7 +80,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
 
     path = output_path(resolve_model(model, draft_model).cost_profile, out)
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
-              policy_options={"budget": tree.max_draft_tokens})
+              policy_options={"budget": tree.max_draft_tokens}, threads=None)  # --threads already applied
     max_k = tree.max_draft_tokens
     limit = llm.target.max_position_embeddings
     gen_tokens = min(512, limit // 2)

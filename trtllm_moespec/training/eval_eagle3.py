@@ -45,7 +45,7 @@ def measure_acceptance(target_dir: Path, drafter_dir: Path, num_prompts: int = 1
                        tree: TreeConfig = TreeConfig(4, 8, 32)) -> AcceptanceReport:
     from ..api import LLM, SamplingParams
 
-    llm = LLM(model=str(target_dir), draft_model=str(drafter_dir), policy="eagle3", tree=tree)
+    llm = LLM(model=str(target_dir), draft_model=str(drafter_dir), policy="eagle3", tree=tree, threads=None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(humaneval_prompts(num_prompts), params)
     lengths = [n for o in outs for n in o.stats.acceptance_lengths]  # committed tokens per step
@@ -70,7 +70,7 @@ def measure_predictors(target_dir: Path, drafter_dir: Path, predictors: dict[str
     results = {}
     for name, path in predictors.items():
         llm = LLM(model=str(target_dir), draft_model=str(drafter_dir), policy="ecospec", tree=tree,
-                  predictor=str(path))
+                  predictor=str(path), threads=None)
         outs = llm.generate(prompts, params)
         steps = sum(o.stats.num_steps for o in outs)
         accs = [o.stats.predictor_topk_acc for o in outs if o.stats.predictor_topk_acc is not None]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.eagle3 import Eagle3Drafter, Eagle3Output, causal_mask
-from ..models.target import TargetModel, _causal_mask
+from ..models.target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,7 @@ def target_features(target: TargetModel, input_ids: torch.Tensor) -> TargetFeatu
     """One causal target forward over input_ids [B, T] (no KV kept between calls)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T>0], got {tuple(input_ids.shape)}")
-    T = input_ids.shape[1]
-    positions = torch.arange(T, device=target.device)[None].expand(input_ids.shape[0], -1)
-    mask = target._masks(lambda window: _causal_mask(0, T, target.dtype, target.device, window))
-    out = target._forward(target.new_cache(), input_ids.to(target.device), positions, mask, logits_to_keep=0)
+    out = target.forward_windows(input_ids)
     return TargetFeatures(out.hidden.float(), out.logits.float(), out.expert_ids.long())
 
 

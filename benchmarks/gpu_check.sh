@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests, select_tree timings,
+# lean-engine vs transformers AR tokens/s, and C(k) with and without CUDA graphs on a
+# random-weight Qwen3-30B-A3B-shaped model (benchmarks/gpu_check.py). JSON goes under $OUT.
+#
+#   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
+#   OUT=/tmp/smoke bash benchmarks/gpu_check.sh --cpu-smoke  # tiny shapes on CPU (CI runs this)
+#
+# TEST_TIMEOUT / MEASURE_TIMEOUT (seconds, default 75 / 200) bound each pytest run and the
+# measurements, so the whole script stays under 6 minutes.
+# Nothing is installed from the network: the project is used in place through PYTHONPATH
+# (the GPU machine already has torch, triton and transformers).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/runs/gpu_check}"
+SMOKE=""
+[[ "${1:-}" == "--cpu-smoke" ]] && SMOKE="--cpu-smoke"
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY="${PYTHON:-python}"
+status=0
+
+run_tests() {  # name, then pytest arguments; writes $OUT/tests_<name>.txt and keeps going on failure
+  local name="$1"; shift
+  timeout "${TEST_TIMEOUT:-75}" "$PY" -m pytest -q -p no:randomly -p no:cacheprovider "$@" >"$OUT/tests_$name.txt" 2>&1
+  local rc=$?
+  echo "tests $name: exit $rc ($(tail -n 1 "$OUT/tests_$name.txt"))"
+  [[ $rc -ne 0 && $rc -ne 5 ]] && status=1
+}
+
+echo "== gpu check ${SMOKE:-(full)} -> $OUT"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+run_tests kernels tests/kernels/test_cuda.py
+run_tests engine tests/engine/test_cuda_engine.py
+timeout "${MEASURE_TIMEOUT:-200}" "$PY" -m benchmarks.gpu_check --out "$OUT" $SMOKE || status=1
+echo "== done (status $status); JSON: $OUT/gpu_check.json"
+exit $status

@@ -1,0 +1,104 @@
+"""The bad inputs the tests cover, one row each: the source of `docs/bad_inputs.md`.
+
+Every id here is exercised by a test in `tests/test_cli.py` (the real `moespec` command in a
+subprocess), `tests/engine/test_bad_input.py` or `tests/bench/test_bench.py`; `tests/test_cli.py`
+checks that each id appears in a test and that the docs table is this list, rendered. After adding
+a case: `python -m tests.bad_input_cases > docs/bad_inputs.md`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str  # referenced by the test that covers it
+    surface: str  # "CLI" (subprocess), "API", "bench"
+    bad_input: str
+    result: str  # what the user gets now (errors: one line, exit code 2 on the CLI)
+
+
+CASES: tuple[Case, ...] = (
+    # --- data loss and silent wrong output
+    Case("missing-tensor", "CLI", "a checkpoint missing one tensor (`...layers.0.self_attn.q_proj.weight`)",
+         "error naming the missing tensor (was: rc 0, a randomly initialised layer)"),
+    Case("bench-ctrl-c-keeps-report", "bench", "Ctrl-C (twice) while models load, `--json` naming a finished report",
+         "the finished report is kept, the partial one goes to `NAME.partial.json`, exit 130, no traceback"),
+    Case("bench-abort-keeps-report", "bench", "a T=0 mismatch abort with `--json`/`--markdown` naming existing files",
+         "existing files kept, the aborted report goes to `NAME.partial.EXT`"),
+    Case("stream-utf8", "API", "streaming text whose multi-byte characters span tokens",
+         "incomplete characters are held back: no U+FFFD the final text lacks; joined chunks == final text"),
+    # --- crashes and tracebacks
+    Case("tree-over-nodes", "CLI", "`--tree 4,8,100000` (more verified nodes than the tree drafts)",
+         "error: max_draft_tokens <= topk + (steps-1)*topk^2 (was: OOM)"),
+    Case("tree-too-big", "CLI", "`--tree 4,10000,32`", "error: the tree drafts 300010000 nodes, the limit is 4096 (was: OOM)"),
+    Case("tree-topk-over-vocab", "CLI", "`--tree 1,200,8` with a 128-token drafter vocabulary",
+         "error: topk exceeds the drafter's vocabulary"),
+    Case("hidden-size-mismatch", "CLI", "config.json `hidden_size` that does not match the weights",
+         "error naming a tensor and both shapes (was: transformers RuntimeError)"),
+    Case("foreign-drafter-joint", "API", "a drafter of another width (128) with the default `joint` policy",
+         "the shipped draft-head predictor is not paired with it: the standalone predictor is used"),
+    Case("head-predictor-foreign-drafter", "API", "`predictor=<draft-head dir>` with a drafter of another width",
+         "error before any generation (was: mid-generation, after text was printed)"),
+    Case("head-predictor-ngram", "API", "`predictor=<draft-head dir>` with `drafter='ngram'`",
+         "error before any generation (was: mid-generation)"),
+    Case("profile-expert-model-field", "CLI", "cost profile with `\"expert_model\": {\"c0\": \"x\"}`",
+         "error naming the file and `expert_model.c0` (was: TypeError traceback)"),
+    Case("profile-costs-field", "CLI", "cost profile with `\"costs\": \"abc\"`",
+         "error naming the file and `costs` (was: could not convert string to float)"),
+    Case("prompt-file-directory", "CLI", "`--prompt-file` naming a directory", "error naming the path (was: traceback)"),
+    Case("device-tpu", "CLI", "`--device tpu`", "error: unknown device (was: traceback)"),
+    Case("seed-huge", "CLI", "`--seed 99999999999999999999999`",
+         "error: seed in [0, 2**64), before anything loads (was: overflow after loading)"),
+    Case("prompt-too-long", "CLI", "a prompt longer than the context", "error, the prompt is not echoed first"),
+    Case("max-tokens-huge", "CLI", "`--max-tokens 1000000000`", "error, the prompt is not echoed first"),
+    Case("prompt-file-not-utf8", "CLI", "a prompt file that is not UTF-8", "error naming the file and the byte"),
+    # --- friction
+    Case("api-threads", "API", "`LLM(...)` on a CPU with torch's default thread count",
+         "the API sets 1 intra-op thread as the CLI does (`threads=None` leaves torch alone)"),
+    Case("model-before-profile", "CLI", "an empty model directory with the default `joint` policy",
+         "reported as a model problem (no config.json), not as a missing cost profile"),
+    Case("pickle-before-profile", "CLI", "a pickle-only model directory with the default `joint` policy",
+         "reported as pickle weights (safetensors only), not as a missing cost profile"),
+    Case("dtype-int8", "CLI", "`--dtype int8`", "error: invalid choice (float32, bfloat16, float16)"),
+    Case("chat-tiny", "API", "`llm.chat(messages)` on moespec-tiny",
+         "works: the tokenizer has a chat template (messages as Python comments; the model is not chat-tuned)"),
+    Case("prompt-and-prompt-file", "CLI", "`--prompt` with `--prompt-file`", "error: not allowed together"),
+    Case("policy-choice", "CLI", "`--policy fastest`", "error: invalid choice, the policies listed"),
+    Case("help-texts", "CLI", "`moespec generate --help`, `moespec bench --help`",
+         "every generate option has help; bench shows its defaults"),
+    # --- the next ten of the same kind
+    Case("sampling-field-types", "API", "`SamplingParams(temperature='hot')`, `top_k=True`, `max_tokens=True`",
+         "error naming the field (was: float() message, or True silently meaning 1)"),
+    Case("stop-not-string", "API", "`SamplingParams(stop=[1])`", "error at construction (was: TypeError mid-generation)"),
+    Case("prompt-float-ids", "API", "prompt token ids `[1.7, 2]`", "error (was: silently truncated to `[1, 2]`)"),
+    Case("model-not-a-path", "API", "`LLM(model=123)`", "error (was: TypeError traceback)"),
+    Case("argument-types", "API", "`LLM(draft_model=123)`, `cost_profile=1.5`, `predictor=['x']`, "
+         "`ddd_threshold='x'`, `policy_options=[...]`", "error naming the argument (was: TypeError tracebacks)"),
+    Case("threads-out-of-range", "CLI", "`--threads 0`, `threads=10**6` in the API", "error naming the range"),
+    Case("config-not-object", "CLI", "a config.json holding a JSON list, or not UTF-8",
+         "error naming config.json (was: AttributeError / UnicodeDecodeError)"),
+    Case("chat-bad-messages", "API", "`llm.chat('hello')` or messages without role/content",
+         "error describing the expected list of dicts (was: template traceback)"),
+    Case("broken-pipe", "CLI", "`moespec generate ... | head -c 1`", "exits quietly (was: BrokenPipeError traceback)"),
+    Case("bench-output-is-directory", "bench", "`--json` naming a directory (or `--plots` a file)",
+         "error before the run (was: traceback after the whole run)"),
+    Case("max-tokens-zero", "CLI", "`--max-tokens 0`", "error before torch loads"),
+    Case("prompt-file-missing", "CLI", "`--prompt-file` that does not exist", "error naming the file"),
+)
+
+
+def markdown() -> str:
+    """The docs table."""
+    lines = ["# Bad inputs the tests cover", "",
+             "Generated from `tests/bad_input_cases.py` (`python -m tests.bad_input_cases > docs/bad_inputs.md`);",
+             "`tests/test_cli.py` checks that this file matches and that every row has a test. CLI rows run the",
+             "real `moespec` command; errors are one line on stderr with exit code 2.", "",
+             "| id | where | bad input | result |", "|---|---|---|---|"]
+    lines += [f"| `{c.id}` | {c.surface} | {c.bad_input} | {c.result} |" for c in CASES]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

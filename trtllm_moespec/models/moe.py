@@ -1,0 +1,137 @@
+"""Routing and routed-expert computation of one MoE layer, over the parameters transformers loaded.
+
+Everything expert-parallel execution needs to change lives here: `routed_experts` computes
+the experts for (token, expert) pairs; an expert-parallel engine keeps the experts of its rank
+(`ExpertWeights` of a slice of the expert axis, ids outside it dropped) and all-reduces the
+output across ranks.
+
+Routers (transformers 5.24 `Qwen3MoeTopKRouter`, `GptOssTopKRouter`):
+- Qwen3-MoE: probs = softmax(x W^T) in float32, top-k of probs, renormalised if `norm_topk_prob`.
+- GPT-OSS: logits = x W^T + b, top-k of logits, softmax over the k values.
+Experts (transformers' `grouped_mm` experts implementation, the default):
+- Qwen3-MoE: gate_up_proj [E, 2I, H] (gate then up), silu(gate) * up, down_proj [E, H, I].
+- GPT-OSS: gate_up_proj [E, H, 2I] with gate/up interleaved and a bias; gate clamped above at
+  `limit`, up clamped to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate); down_proj
+  [E, I, H] plus bias.
+Quantized experts (GPT-OSS MXFP4 modules hold blocks and scales, not `gate_up_proj`) run through
+the transformers module itself: dequantization stays transformers' job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclass(frozen=True)
+class RouterWeights:
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor | None  # [E] (GPT-OSS)
+    top_k: int
+    softmax_first: bool  # Qwen3-MoE: softmax over all experts, then top-k; GPT-OSS: top-k, then softmax
+    renormalize: bool  # Qwen3-MoE norm_topk_prob
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Stacked expert weights laid out for `x @ W` per expert (grouped GEMM operands)."""
+
+    gate_up: torch.Tensor | None  # [E, H, 2I] (a transposed view for Qwen3-MoE)
+    gate_up_bias: torch.Tensor | None  # [E, 2I]
+    down: torch.Tensor | None  # [E, I, H]
+    down_bias: torch.Tensor | None  # [E, H]
+    gate: Callable[[torch.Tensor], torch.Tensor] | None  # [S, 2I] -> [S, I]
+    module: nn.Module | None  # fallback: the transformers experts module (quantized weights)
+    num_experts: int
+
+
+def route(x: torch.Tensor, r: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] -> (top-k expert ids [N, k] int64, routing weights [N, k] in x's dtype)."""
+    logits = F.linear(x, r.weight, r.bias)  # [N, E]
+    if r.softmax_first:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_ids = probs.topk(r.top_k, dim=-1)
+        if r.renormalize:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return top_ids, top_w.to(logits.dtype)
+    top_logits, top_ids = logits.topk(r.top_k, dim=-1)
+    return top_ids, torch.softmax(top_logits, dim=1, dtype=top_logits.dtype)
+
+
+def routed_experts(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """sum_j top_w[n, j] * expert_{top_ids[n, j]}(x[n]) for x [N, H] -> [N, H].
+
+    One grouped GEMM per projection over the (token, expert) pairs sorted by expert, so only
+    experts that received tokens cost anything (as transformers' `grouped_mm` path).
+    """
+    if w.module is not None:
+        return w.module(x, top_ids, top_w)
+    N, k = top_ids.shape
+    flat_ids = top_ids.reshape(-1)  # [S] S = N * k
+    sorted_ids, perm = torch.sort(flat_ids)
+    xs = x[perm // k]  # [S, H] token rows grouped by expert
+    # histc, not bincount: its output size never depends on the data (CUDA-graph safe).
+    hist_in = sorted_ids.float() if x.device.type == "cpu" else sorted_ids.int()
+    counts = torch.histc(hist_in, bins=w.num_experts, min=0, max=w.num_experts - 1)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
+    h = _grouped_linear(xs, w.gate_up, offsets, w.gate_up_bias, sorted_ids)  # [S, 2I]
+    h = _grouped_linear(w.gate(h), w.down, offsets, w.down_bias, sorted_ids)  # [S, H]
+    h = h * top_w.reshape(-1)[perm, None]
+    out = torch.empty_like(h)
+    out[perm] = h  # back to (token, slot) order
+    return out.view(N, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _grouped_linear(x, weight, offsets, bias, sorted_ids):
+    if _grouped_mm is not None:
+        out = _grouped_mm(x.to(weight.dtype), weight, offs=offsets)
+    else:  # torch without grouped GEMM: one matmul per expert that got tokens
+        out = x.new_empty(x.shape[0], weight.shape[-1])
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                out[start:end] = x[start:end] @ weight[e]
+            start = end
+    if bias is not None:
+        out = out + bias[sorted_ids]
+    return out
+
+
+def qwen3_moe_weights(block: nn.Module) -> tuple[RouterWeights, ExpertWeights]:
+    """Router and experts of a transformers `Qwen3MoeSparseMoeBlock` (5.x layout)."""
+    gate, experts = block.gate, block.experts
+    router = RouterWeights(gate.weight, None, gate.top_k, softmax_first=True, renormalize=bool(gate.norm_topk_prob))
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return router, _module_fallback(experts)
+    act = experts.act_fn
+
+    def silu_gate(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return act(g) * u
+    return router, ExpertWeights(experts.gate_up_proj.transpose(-2, -1), None, experts.down_proj.transpose(-2, -1),
+                                 None, silu_gate, None, experts.num_experts)
+
+
+def gpt_oss_weights(mlp: nn.Module) -> tuple[RouterWeights, ExpertWeights]:
+    """Router and experts of a transformers `GptOssMLP` (5.x layout)."""
+    r, experts = mlp.router, mlp.experts
+    router = RouterWeights(r.weight, r.bias, r.top_k, softmax_first=False, renormalize=False)
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return router, _module_fallback(experts)
+    alpha, limit = experts.alpha, experts.limit
+
+    def clamped_swiglu(h: torch.Tensor) -> torch.Tensor:
+        g, u = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    return router, ExpertWeights(experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj,
+                                 experts.down_proj_bias, clamped_swiglu, None, experts.num_experts)
+
+
+def _module_fallback(experts: nn.Module) -> ExpertWeights:
+    return ExpertWeights(None, None, None, None, None, experts, experts.num_experts)

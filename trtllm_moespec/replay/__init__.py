@@ -1,0 +1,243 @@
+"""`moespec replay`: record live decoding steps with the target's verdict on every draft node,
+then score selection policies and value models offline on exactly those steps.
+
+    moespec replay record --model moespec-tiny --datasets humaneval,mt_bench,gsm8k --num-prompts 8 \\
+        --max-tokens 64 --out runs/replay/heldout.safetensors
+    moespec replay score FILE --policies eagle3,evict,ecospec,joint,coverage --values raw,calibrated,head \\
+        --cost-profile PROFILE [--cost fit|table] [--json OUT --markdown OUT]
+    moespec replay rank FILE --values raw,calibrated,head --k 1,2,4,8,16 [--json OUT --markdown OUT]
+    moespec replay fit-calibrator FILE [FILE ...] --out value_calibrator.json
+
+Records hold the full draft tree (tokens, parents, q), the live values, predicted and true
+expert sets, the drafter's node features and the target's acceptance of every node (one
+extra peek forward per step, which the live run never sees). Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+    return parse
+
+
+def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="action", required=True)
+    r = sub.add_parser("record", help="decode live and record every step with the target's verdicts")
+    r.add_argument("--model", default="moespec-tiny")
+    r.add_argument("--draft-model", default=None)
+    r.add_argument("--policy", default="eagle3", help="the live policy (default eagle3: the fixed tree)")
+    r.add_argument("--values", default="calibrated", help="the live value model of a cost-aware policy")
+    r.add_argument("--tree", default="4,8,32")
+    r.add_argument("--cost-profile", default=None)
+    r.add_argument("--datasets", type=_csv(str), default=("humaneval", "mt_bench", "gsm8k"))
+    r.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
+    r.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts of each dataset "
+                   "(the bench uses the first 8: record training data with --skip-prompts 8)")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-hidden", action="store_true", help="do not store the drafter's node features")
+    r.add_argument("--out", required=True)
+    r.add_argument("--threads", type=int, default=1)
+    for name, helptext in (("score", "score policies offline"), ("rank", "ranking quality of value models")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("file")
+        s.add_argument("--values", type=_csv(str), default=("raw", "calibrated"))
+        s.add_argument("--calibrator", default=None, help="calibrator prior JSON (default: the model's own)")
+        s.add_argument("--json", default=None)
+        s.add_argument("--markdown", default=None)
+    sc = sub.choices["score"]
+    sc.add_argument("--policies", type=_csv(str), default=("eagle3", "evict", "ecospec", "joint", "coverage"))
+    sc.add_argument("--cost-profile", default=None, help="cost_profile.json (default: the model's own)")
+    sc.add_argument("--cost", choices=["fit", "table"], default="fit",
+                    help="charge C(k, U) with the true expert union (fit, default) or the profiled C(k) (table)")
+    rk = sub.choices["rank"]
+    rk.add_argument("--k", type=_csv(int), default=(1, 2, 4, 8, 16))
+    f = sub.add_parser("fit-calibrator", help="fit the value calibrator prior from records")
+    f.add_argument("files", nargs="+")
+    f.add_argument("--out", required=True)
+    f.add_argument("--prior-weight", type=float, default=50.0)
+    f.add_argument("--num-depths", type=int, default=4)
+    f.add_argument("--num-ranks", type=int, default=3)
+    f.add_argument("--no-copy", action="store_true", help="do not split groups by the context-copy feature")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "moespec replay") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    import torch
+
+    torch.set_num_threads(getattr(args, "threads", 1))  # tiny tensors: more threads only stall on a shared CPU
+    try:
+        return {"record": _record, "score": _score, "rank": _rank, "fit-calibrator": _fit}[args.action](args, argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _record(args, argv) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..api import LLM, SamplingParams
+    from ..bench.datasets import encode_prompt, load_prompts
+    from ..engine.config import TreeConfig
+    from .record import record
+
+    if args.num_prompts < 1 or args.skip_prompts < 0 or args.max_tokens < 1:
+        raise ValueError("--num-prompts and --max-tokens must be positive, --skip-prompts >= 0")
+    torch.set_num_threads(args.threads)
+    tree = TreeConfig.parse(args.tree)
+    prompts = [p for ds in args.datasets for p in load_prompts(ds, args.skip_prompts + args.num_prompts)[args.skip_prompts:]]
+    llm = LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=tree, values=args.values,
+              cost_profile=args.cost_profile)
+    limit = llm.target.max_position_embeddings - args.max_tokens
+    ids = [encode_prompt(p.text, llm.tokenizer, llm.target.vocab_size, limit) for p in prompts]
+    meta = {"model": args.model, "draft_model": args.draft_model, "policy": args.policy, "values": args.values,
+            "tree": list(tree.as_tuple()), "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "prompts": [f"{p.dataset}:{p.prompt_id}" for p in prompts], "command": "moespec replay " + " ".join(argv),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    t0 = time.time()
+    # A per-prompt seed keeps T > 0 records reproducible.
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=None if args.temperature == 0 else args.seed + i) for i in range(len(ids))]
+    with tqdm(total=len(ids), desc="record") as bar:
+        records, _ = record(llm, ids, params, meta, keep_hidden=not args.no_hidden, progress=bar)
+    records.save(args.out)
+    print(f"recorded {records.num_steps} steps of {len(ids)} prompts in {time.time() - t0:.0f}s -> {args.out}")
+    return 0
+
+
+def _load(args):
+    from .records import ReplayFile
+
+    return ReplayFile.load(args.file)
+
+
+def _value_models(kinds, records, calibrator_path):
+    from ..core.values import CalibratedValues, Calibrator, RawValues
+    from ..resolve import load_value_model, resolve_model
+
+    paths = resolve_model(records.meta["model"], records.meta.get("draft_model"))
+    models, target = {}, None
+    for kind in kinds:
+        if kind == "calibrated" and calibrator_path:
+            models[kind] = CalibratedValues(Calibrator.load(calibrator_path))
+        elif kind == "raw":
+            models[kind] = RawValues()
+        else:
+            if kind == "head" and target is None:
+                from ..models.target import TargetModel
+
+                target = TargetModel.load(paths.target)
+            models[kind] = load_value_model(kind, paths, target)
+    return models
+
+
+def _score(args, argv) -> int:
+    from ..core.policies import POLICIES
+    from ..resolve import resolve_model
+    from .score import StepCost, replay_policy
+    from ..api import _build_policy
+    from ..core.cost import CostTable
+    from ..engine.config import TreeConfig
+
+    records = _load(args)
+    tree = TreeConfig(*records.meta["tree"])
+    paths = resolve_model(records.meta["model"], records.meta.get("draft_model"))
+    table = CostTable.load(args.cost_profile or paths.cost_profile, override=True)
+    if args.cost == "fit" and table.expert_model is None:
+        raise ValueError("--cost fit needs a cost profile with an expert cost fit (C(k, U))")
+    cost = StepCost(table, args.cost == "fit")
+    models = _value_models(args.values, records, args.calibrator)
+    rows = []
+    for name in ("eagle3",) + tuple(p for p in args.policies if p != "eagle3"):
+        if name not in POLICIES or name in ("ar", "oracle"):
+            raise ValueError(f"replay scores drafting policies ({', '.join(sorted(set(POLICIES) - {'ar', 'oracle'}))}); "
+                             f"got {name!r} (the oracle selection is always scored)")
+        policy = _build_policy(name, tree, table, {})
+        for kind in (args.values if policy.uses_values else ("raw",)):
+            label = f"{name}[values={kind}]" if policy.uses_values else name
+            tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
+                                     tree.max_draft_tokens)
+            rows.append(tally.as_dict())
+    oracle, _ = replay_policy(records, "oracle", None, None, cost, tree.max_draft_tokens)
+    rows.append(oracle.as_dict())
+    base, top = rows[0]["tokens_per_s"], oracle.as_dict()["tokens_per_s"]
+    for r in rows:
+        r["vs_eagle3"], r["vs_oracle"] = r["tokens_per_s"] / base, r["tokens_per_s"] / top
+    report = {"command": "moespec replay " + " ".join(argv), "file": args.file, "records": records.meta,
+              "num_steps": records.num_steps, "cost": args.cost, "cost_profile": table.method, "results": rows}
+    lines = ["| policy | tokens/step | verified/step | tokens per s of cost | vs eagle3 | vs oracle |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['tokens_per_step']:.2f} | {r['verified_per_step']:.1f} | {r['tokens_per_s']:.1f} | "
+              f"{r['vs_eagle3']:.3f} | {r['vs_oracle']:.3f} |" for r in rows]
+    _emit(report, lines, args)
+    return 0
+
+
+def _rank(args, argv) -> int:
+    from .score import ranking
+
+    records = _load(args)
+    models = _value_models(args.values, records, args.calibrator)
+    table = ranking(records, models, tuple(args.k), records.meta["tree"][2])
+    lines = ["| values | " + " | ".join(f"top-{k}" for k in args.k) + " |", "|---" * (len(args.k) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{d[k]:.2f}" for k in args.k) + " |" for name, d in table.items()]
+    report = {"command": "moespec replay " + " ".join(argv), "file": args.file, "records": records.meta,
+              "num_steps": records.num_steps, "accepted_in_top_k": table}
+    _emit(report, lines, args)
+    return 0
+
+
+def _fit(args, argv) -> int:
+    import numpy as np
+
+    from ..core.values import Calibrator
+    from .records import ReplayFile
+
+    scheme = Calibrator(prior_weight=args.prior_weight, num_depths=args.num_depths, num_ranks=args.num_ranks,
+                        copy=not args.no_copy)
+    samples: dict[float, list] = {}
+    for path in args.files:
+        rf = ReplayFile.load(path)
+        for s in range(rf.num_steps):
+            step = rf.step(s)
+            v = step.tree.valid[0].numpy()
+            # Every node is a trial: its target verdict given its own path (full tree, from the peek).
+            samples.setdefault(step.temperature, []).append(
+                (scheme.node_groups(step.tree, step.context)[0][v], step.tree.draft_probs[0].double().numpy()[v],
+                 step.target_local[0].double().numpy()[v]))
+    if not samples:
+        raise ValueError("no recorded steps to fit a calibrator on")
+    merged = {t: tuple(np.concatenate(x) for x in zip(*parts)) for t, parts in samples.items()}
+    cal = scheme.fit(merged, source="moespec replay " + " ".join(argv))
+    cal.save(args.out)
+    print(f"calibrator over {sum(len(m[0]) for m in merged.values())} nodes, {cal.num_groups} groups, "
+          f"temperatures {sorted(merged)} -> {args.out}")
+    return 0
+
+
+def _emit(report: dict, lines: list[str], args) -> None:
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"Command: `{report['command']}`\n\n" + "\n".join(lines) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("records",)}, default=str)[:2000])

@@ -1,0 +1,147 @@
+"""Training of the learned acceptance head (`models/acceptance_head.py`) from replay records.
+
+Examples are every valid drafted node of every recorded step (`moespec replay record`, which
+stores the drafter's node features and the target's verdict on every node from a peek
+forward): features exactly as at inference, label = the target's local acceptance of the
+node given its path (argmax match at T=0). Objective: binary cross-entropy; time-bounded.
+Evaluation: held-out loss, and the ranking report (accepted nodes held by the top-k by value).
+
+    python -m trtllm_moespec.training.train_acceptance_head --train runs/replay/train_t0.safetensors \\
+        --heldout runs/replay/heldout_t0.safetensors --out runs/acceptance_head --minutes 4 \\
+        [--export trtllm_moespec/assets/moespec-tiny/acceptance-head]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..models.acceptance_head import (
+    AcceptanceHead, AcceptanceHeadConfig, AcceptanceHeadModel, load_head_values, node_scalars, sibling_rank,
+)
+from ..replay.records import ReplayFile
+
+
+@dataclass(frozen=True)
+class HeadExamples:
+    hidden: torch.Tensor  # [M, H] float16 proposing drafter hidden
+    token_ids: torch.Tensor  # [M] int64
+    depth: torch.Tensor  # [M] int64
+    rank: torch.Tensor  # [M] int64 sibling rank by q
+    scalars: torch.Tensor  # [M, S] float32
+    label: torch.Tensor  # [M] float32 target local acceptance
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+
+def collect(records: ReplayFile, temperature: float = 0.0) -> HeadExamples:
+    """Every valid node of every step at `temperature` (needs records made with node features)."""
+    parts = []
+    for s in range(records.num_steps):
+        step = records.step(s)
+        if step.temperature != temperature:
+            continue
+        if step.node_hidden is None:
+            raise ValueError("these records have no node features (recorded with --no-hidden)")
+        v = step.tree.valid[0]
+        parts.append((step.node_hidden[0][v].half(), step.tree.token_ids[0][v], step.tree.depth[0][v],
+                      torch.from_numpy(sibling_rank(step.tree))[v],
+                      torch.from_numpy(node_scalars(step.tree, step.context))[v], step.target_local[0][v].float()))
+    if not parts:
+        raise ValueError(f"no recorded steps at temperature {temperature}")
+    return HeadExamples(*(torch.cat(x) for x in zip(*parts)))
+
+
+def _logits(model: AcceptanceHeadModel, embed: torch.nn.Embedding, ex: HeadExamples, rows: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        emb = embed(ex.token_ids[rows])
+    return model(ex.hidden[rows].float(), model.token_part(emb), ex.depth[rows], ex.rank[rows], ex.scalars[rows])
+
+
+@torch.no_grad()
+def heldout_loss(model, embed, ex: HeadExamples) -> float:
+    model.eval()
+    total = sum(F.binary_cross_entropy_with_logits(_logits(model, embed, ex, r), ex.label[r], reduction="sum").item()
+                for r in torch.arange(len(ex)).split(16384))
+    model.train()
+    return total / len(ex)
+
+
+def train(train_files: list[str], out_dir: Path, minutes: float, target, seed: int = 0, intermediate: int = 256,
+          batch_size: int = 2048, lr: float = 2e-3) -> tuple[AcceptanceHead, dict]:
+    torch.manual_seed(seed)
+    ex = [collect(ReplayFile.load(f)) for f in train_files]
+    ex = HeadExamples(*(torch.cat(x) for x in zip(*[(e.hidden, e.token_ids, e.depth, e.rank, e.scalars, e.label)
+                                                      for e in ex])))
+    n_val = max(len(ex) // 20, 1)
+    perm = torch.randperm(len(ex), generator=torch.Generator().manual_seed(seed))
+    pick = lambda idx: HeadExamples(*(t[idx] for t in (ex.hidden, ex.token_ids, ex.depth, ex.rank, ex.scalars,  # noqa: E731
+                                                        ex.label)))
+    val, tr = pick(perm[:n_val]), pick(perm[n_val:])
+    embed = target.input_embeddings()
+    cfg = AcceptanceHeadConfig(hidden_size=tr.hidden.shape[1], embed_size=embed.weight.shape[1],
+                               vocab_size=embed.weight.shape[0], intermediate_size=intermediate)
+    model = AcceptanceHeadModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    t0, step, planned = time.time(), 0, minutes * 60
+    while time.time() - t0 < planned:
+        frac = (time.time() - t0) / planned
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * frac)))
+        rows = torch.randint(0, len(tr), (batch_size,), generator=gen)
+        loss = F.binary_cross_entropy_with_logits(_logits(model, embed, tr, rows), tr.label[rows])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+    metrics = {"train_examples": len(tr), "val_examples": len(val), "steps": step, "train_s": time.time() - t0,
+               "val_bce": heldout_loss(model, embed, val), "train_files": train_files,
+               "label_mean": float(tr.label.mean())}
+    head = AcceptanceHead(model.eval())
+    head.save(out_dir / "head", dtype=torch.float32)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return head, metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--train", nargs="+", required=True, help="replay records (T=0, with node features)")
+    p.add_argument("--heldout", default=None, help="records for the ranking report")
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=4.0)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--export", default=None, help="write the fp16 head here (e.g. the moespec-tiny assets)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from ..models.target import TargetModel
+    from ..resolve import resolve_model
+
+    target = TargetModel.load(resolve_model("moespec-tiny").target)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head, metrics = train(args.train, out, args.minutes, target, intermediate=args.intermediate)
+    if args.heldout:
+        from ..core.values import RawValues
+        from ..replay.score import ranking
+
+        values = {"raw": RawValues(), "head": load_head_values(out / "head", target)}
+        metrics["heldout_ranking"] = ranking(ReplayFile.load(args.heldout), values, (1, 2, 4, 8, 16), 32)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if args.export:
+        AcceptanceHead.load(out / "head").save(args.export, dtype=torch.float16)
+        AcceptanceHead.load(args.export)
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
