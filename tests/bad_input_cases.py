@@ -63,7 +63,7 @@ CASES: tuple[Case, ...] = (
          "reported as pickle weights (safetensors only), not as a missing cost profile"),
     Case("dtype-int8", "CLI", "`--dtype int8`", "error: invalid choice (float32, bfloat16, float16)"),
     Case("chat-tiny", "API", "`llm.chat(messages)` on moespec-tiny",
-         "works: the tokenizer has a chat template (messages as Python comments; the model is not chat-tuned)"),
+         "error: no chat template (the model is not chat-tuned; pass `chat_template=`) (was: advertised, untested)"),
     Case("prompt-and-prompt-file", "CLI", "`--prompt` with `--prompt-file`", "error: not allowed together"),
     Case("policy-choice", "CLI", "`--policy fastest`", "error: invalid choice, the policies listed"),
     Case("help-texts", "CLI", "`moespec generate --help`, `moespec bench --help`",

@@ -116,10 +116,14 @@ class LLM:
         override_profile: bool = False,
         guard: str = "auto",
         draft_stop: bool | None = None,
+        ep=None,
+        ep_pricing: bool = True,
         model_impl: str = "lean",
         values: str = "calibrated",
         threads: int | None = 1,
     ):
+        """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
+        ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py)."""
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
         if drafter not in ("eagle3", "ngram"):
@@ -169,8 +173,15 @@ class LLM:
         from .models.target import TargetModel
 
         self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
+        placement = None
+        if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
+            self.target = ep.leader_target(self.target, self.paths.target, dtype, model_impl)
+            placement = ep.placement
         self.tokenizer = _load_tokenizer(self.paths.target)
-        self.policy: SelectionPolicy = _build_policy(policy, tree, profile, policy_options or {})
+        options = dict(policy_options or {})
+        if placement is not None and ep_pricing and policy in ("ecospec", "joint"):
+            options.setdefault("placement", placement)
+        self.policy: SelectionPolicy = _build_policy(policy, tree, profile, options)
         source, eagle3 = None, None
         if needs.drafts and drafter == "eagle3":
             from .models.eagle3 import load_eagle3
@@ -187,7 +198,7 @@ class LLM:
                          if self.policy.needs_experts else None)
         value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
-                                 value_model, guard_obj)
+                                 value_model, placement=placement, guard=guard_obj)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
@@ -208,16 +219,22 @@ class LLM:
             raise ValueError("stream() takes one prompt")
         yield from self._events(batch[0], sampling_params or SamplingParams())
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """Apply the tokenizer's chat template, then generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.paths.target} has no chat template; use generate() with plain prompts")
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None) -> RequestOutput:
+        """Apply the chat template (`chat_template`, a Jinja string, else the tokenizer's), then generate."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.paths.target} has no tokenizer; pass token ids to generate()")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"model {self.paths.target} has no chat template (moespec-tiny is not chat-tuned): "
+                             "pass chat_template=..., or use generate() with plain prompts")
         if (not isinstance(messages, (list, tuple)) or not messages
                 or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                            for m in messages)):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, got "
                              f"{_describe(messages)}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                 tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return self.generate([list(ids)], sampling_params)[0]
 

@@ -107,7 +107,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "makes OpenMP barriers stall)")
 
 
-def _llm_from_args(args):
+def _llm_from_args(args, ep=None):
     from transformers.utils import logging as hf_logging
 
     from .api import LLM
@@ -116,8 +116,8 @@ def _llm_from_args(args):
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=args.tree,
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
                drafter=args.drafter, override_profile=args.override_profile, values=args.values,
-               model_impl=args.model_impl, threads=args.threads, guard=args.guard,
-               draft_stop=args.draft_stop)
+               model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True),
+               guard=args.guard, draft_stop=args.draft_stop)
 
 
 def read_prompt_file(path: str) -> str:
@@ -142,11 +142,22 @@ def cmd_generate(args) -> int:
         prompt = read_prompt_file(args.prompt_file)
     else:
         prompt = DEFAULT_PROMPT
+    from .parallel.run import launch_ep_size
+
+    ep = launch_ep_size(args.ep, args.model)  # a bad launch fails before loading anything
     from .api import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    llm = _llm_from_args(args)
+    if ep > 1:
+        from .parallel.run import run_expert_parallel
+
+        return run_expert_parallel(args.device, args.threads, lambda ctx: _generate(args, prompt, params, ctx))
+    return _generate(args, prompt, params, None)
+
+
+def _generate(args, prompt: str, params, ep) -> int:
+    llm = _llm_from_args(args, ep)
     ids = llm.encode(prompt)[0]
     llm.make_request(ids, params)  # checks length and ids now, so a refused prompt is not echoed first
     out = None
@@ -186,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_bounded_int(0, 2**64), default=None, help="sampling seed in [0, 2**64) (default: nondeterministic)")
     g.add_argument("--stop", action="append", default=None, help="stop string, excluded from the output (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--ep", type=_bounded_int(1), default=None,
+                   help="expert parallelism over N ranks: run as `mpirun -n N moespec generate ... --ep N`")
+    g.add_argument("--no-ep-pricing", dest="ep_pricing", action="store_false",
+                   help="with --ep: ecospec / joint price the global expert union instead of the busiest rank's")
     g.set_defaults(func=cmd_generate)
 
     _add_optional_commands(sub)

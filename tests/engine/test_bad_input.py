@@ -114,14 +114,18 @@ def test_stream_holds_back_incomplete_characters(tiny_ar):
 
 
 def test_chat_on_moespec_tiny(tiny_ar):
-    """(case chat-tiny) moespec-tiny has a chat template (messages as Python comments);
-    (case chat-bad-messages) malformed messages are one clear error."""
-    out = tiny_ar.chat([{"role": "user", "content": "write fib"}], SamplingParams(max_tokens=3))
+    """(case chat-tiny) moespec-tiny ships no chat template (it is not chat-tuned): chat() says so, and
+    works with an explicit template; (case chat-bad-messages) malformed messages are one clear error."""
+    messages = [{"role": "user", "content": "write fib"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        tiny_ar.chat(messages)
+    template = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:"
+    out = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=template)
     assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
     assert len(out.token_ids) == 3
     for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
         with pytest.raises(ValueError, match="list of"):
-            tiny_ar.chat(bad)
+            tiny_ar.chat(bad, chat_template=template)
 
 
 def test_a_foreign_drafter_is_not_paired_with_the_shipped_head(tmp_path):
@@ -178,3 +182,16 @@ def test_sampling_params_and_prompts_name_the_bad_field(checkpoints):
             LLM(str(target), policy="ddd", **{name: value})
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         LLM(str(target), policy="ar", device="tpu")
+
+
+def test_a_stop_string_completed_by_the_last_token_still_stops(tiny_ar):
+    """A stop string completed by the token that also reaches max_tokens (or precedes an eos in the
+    same step) ends the output before it; the check used to be skipped when max_tokens ended the step."""
+    from trtllm_moespec import SamplingParams
+
+    full = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    stop = full.text.rstrip()[-3:]
+    assert stop and full.text.count(stop) == 1, "pick a prompt whose 12-token greedy tail is unique"
+    out = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert full.text.startswith(out.text) and len(out.token_ids) < len(full.token_ids)

@@ -21,7 +21,9 @@ def test_plans(engine_dir):
     assert launch_plan(spec, 0, 1, "pytorch").role == "leader"
     assert launch_plan(spec, 0, 2, "pytorch").role == "leader"
     other = launch_plan(spec, 1, 2, "pytorch")
-    assert other.role == "exit" and "later issue" in other.message
+    assert other.role == "ep_worker" and "ep=2" in other.message
+    with pytest.raises(ValueError, match="started 4 ranks but the engine's expert parallelism is ep=2"):
+        launch_plan(spec, 0, 4, "pytorch")
     assert launch_plan(spec, 0, 2, "tensorrt_llm").role == "leader"
     assert launch_plan(spec, 1, 2, "tensorrt_llm").role == "worker"
     with pytest.raises(ValueError, match="needs tp\\*pp = 2\\*1 = 2"):
@@ -39,8 +41,8 @@ def test_mpirun_two_ranks_without_tensorrt_llm(engine_dir):
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stderr
-    assert "rank 0/2: tensorrt_llm not available, running the PyTorch engine on this rank only" in result.stdout
-    assert "rank 1/2: tensorrt_llm not available" in result.stderr and "this rank exits" in result.stderr
+    assert "rank 0/2: tensorrt_llm not available, PyTorch engine with expert parallelism ep=2" in result.stdout
+    assert "rank 1/2: tensorrt_llm not available" in result.stdout and "serves rank 0's verify forwards" in result.stdout
 
 
 def test_launch_reports_a_missing_engine_dir(tmp_path):

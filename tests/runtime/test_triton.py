@@ -138,17 +138,19 @@ def test_decoupled_streams_chunks_and_answers_each_request_when_it_finishes(engi
         seen.append([len(r.sender.sent) for r in requests])
         yield _Event(" one")
         yield _Event(" two")
-        yield _Event(output=_output(text=params.prompt + " one two"))
+        yield _Event(" \u2713", output=_output(text=params.prompt + " one two \u2713"))  # a held-back tail
 
     model._stream = stream
     assert model.execute(requests) is None
-    assert seen == [[0, 0, 0], [3, 0, 0]]
+    assert seen == [[0, 0, 0], [4, 0, 0]]
     first = requests[0].sender.sent
-    assert [f for _, f in first] == [0, 0, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
-    assert [r.tensor("text_output")[0] for r, _ in first[:2]] == [b" one", b" two"]
-    assert first[2][0].tensor("text_output")[0] == b"def f(x): one two" and first[2][0].tensor("verified_tokens")
+    assert [f for _, f in first] == [0, 0, 0, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
+    chunks = [r.tensor("text_output")[0] for r, _ in first[:3]]
+    assert chunks == [b" one", b" two", " \u2713".encode()]  # joined, the chunks are the whole continuation
+    final = first[3][0]
+    assert final.tensor("text_output")[0] == "def f(x): one two \u2713".encode() and final.tensor("verified_tokens")
     (only, flags), = requests[1].sender.sent  # not streaming: one final response
-    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and only.tensor("text_output")[0] == b"abc one two"
+    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and only.tensor("text_output")[0] == "abc one two \u2713".encode()
     (bad, flags), = requests[2].sender.sent
     assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and "must be an integer tensor" in bad.error.message()
 

@@ -161,7 +161,7 @@ def test_shipped_drafter_and_head_predictor_load_on_the_shipped_target() -> None
     tensors = load_file(str(ASSETS / "eagle3" / "model.safetensors"))
     assert "embed_tokens.weight" not in tensors and tensors["fc.weight"].dtype == torch.float16
     paths = ModelPaths(ASSETS / "target", ASSETS / "eagle3", ASSETS / "predictor-head", "moespec-tiny", ASSETS / "x")
-    assert isinstance(load_predictor(None, paths, target), HeadExperts)
+    assert isinstance(load_predictor(None, paths, target, drafter), HeadExperts)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     pre = target.prefill(target.new_cache(), ids)
     cache = drafter.new_cache()

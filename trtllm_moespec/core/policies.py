@@ -10,6 +10,8 @@ the verifier's random numbers, so verification stays lossless.
   evict     top nodes by score, k* = argmax (1 + S_k) / C(k) over a profiled table
   ecospec   greedy by score / (new predicted experts + eps) up to `budget`
             (`global_cost=True`: the paper's static ablation)
+            (ecospec and joint take a `placement`: under expert parallelism "new experts"
+            and U count U_max, each MoE layer's busiest rank, see placement.py)
   joint     ours: greedy by score / (c_tok + c_exp * new experts), stop at the
             utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
   coverage  smallest top prefix with S_k / S_K >= rho
@@ -34,6 +36,7 @@ import torch
 
 from .cost import CostTable, ExpertCostModel
 from .experts import ExpertSets
+from .placement import ExpertPlacement
 from .select import evict_select, greedy_expert_select, joint_prefix, joint_token_cost, path_bits
 from .tree import DraftTree, gather_nodes, score_order, top_k_nodes
 
@@ -164,6 +167,7 @@ class EcoSpecPolicy(SelectionPolicy):
     budget: int = 3  # draft nodes; the paper's gamma counts the bonus token too (gamma = budget + 1)
     eps: float = 1e-3
     global_cost: bool = False  # ablation: static |E_path| instead of the marginal cost
+    placement: ExpertPlacement | None = None  # EP: price U_max, each layer's busiest rank (None = one device)
     name: ClassVar[str] = "ecospec"
     uses_values: ClassVar[bool] = True
     needs_experts: ClassVar[bool] = True
@@ -178,6 +182,7 @@ class EcoSpecPolicy(SelectionPolicy):
         greedy = greedy_expert_select(
             tree.scores, tree.parents, tree.valid, traj, None if self.global_cost else root_experts,
             self.budget, token_cost=self.eps, expert_cost=1.0, marginal=not self.global_cost,
+            placement=_checked_placement(self.placement, experts),
         )
         return _from_prefix(greedy.node_idx, greedy.num_selected, tree.scores, None)
 
@@ -186,6 +191,7 @@ class EcoSpecPolicy(SelectionPolicy):
 class JointPolicy(SelectionPolicy):
     cost_model: ExpertCostModel
     budget: int = 32  # cap on verified nodes
+    placement: ExpertPlacement | None = None  # EP: C(k, U_max), U_max = sum over layers of the busiest rank's experts
     name: ClassVar[str] = "joint"
     uses_values: ClassVar[bool] = True
     needs_experts: ClassVar[bool] = True
@@ -200,7 +206,8 @@ class JointPolicy(SelectionPolicy):
         traj = _trajectories(tree, experts, self.name)
         token_cost = joint_token_cost(m.c_tok, m.c_exp)
         greedy = greedy_expert_select(
-            tree.scores, tree.parents, tree.valid, traj, root_experts, self.budget, token_cost, m.c_exp
+            tree.scores, tree.parents, tree.valid, traj, root_experts, self.budget, token_cost, m.c_exp,
+            placement=_checked_placement(self.placement, experts),
         )
         j, _, cost = joint_prefix(greedy, m.c0, m.c_tok, m.c_exp)
         return _from_prefix(greedy.node_idx, j, tree.scores, cost)
@@ -242,6 +249,15 @@ def _trajectories(tree: DraftTree, experts: ExpertSets | None, name: str) -> tor
             f"expert sets cover {tuple(experts.bits.shape[:2])} nodes but the tree has {tuple(tree.token_ids.shape)}"
         )
     return path_bits(experts.bits, tree.parents, tree.depth)
+
+
+def _checked_placement(placement: ExpertPlacement | None, experts: ExpertSets) -> ExpertPlacement | None:
+    if placement is None:
+        return None
+    if (placement.num_layers, placement.num_experts) != (experts.num_layers, experts.num_experts):
+        raise ValueError(f"expert placement covers {placement.num_layers} layers x {placement.num_experts} experts, "
+                         f"the predicted sets {experts.num_layers} x {experts.num_experts}")
+    return placement
 
 
 def ddd_should_stop(frontier_scores: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -11,6 +11,8 @@
   at its initial value (the paper's "global cost" ablation).
   EcoSpec: token_cost = eps, expert_cost = 1. Joint: token and expert cost from
   the fitted cost model. Ties go to the lowest node index.
+  Under expert parallelism (a `placement`, see placement.py) new(v) and U_j count
+  U_max, each MoE layer's busiest rank summed over layers, instead of the global union.
 - `joint_prefix`: stop a greedy order where (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
   peaks, U_j = unique (layer, expert) pairs after j nodes (root included).
 """
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .placement import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,14 @@ def greedy_expert_select(
     token_cost: float,
     expert_cost: float,
     marginal: bool = True,
+    placement: ExpertPlacement | None = None,
 ) -> GreedyOrder:
     """Greedy parent-closed selection by score / (token_cost + expert_cost * new experts).
 
     scores/parents/valid: [B, N]; traj_bits: [B, N, W] path expert sets (see path_bits);
     root_bits: [B, W] the root token's experts (initial buffer) or None.
+    placement: which EP rank holds each (layer, expert), or None (one device): with one,
+    "new experts" and U_j count U_max (each layer's busiest rank, summed over layers).
     Stops after max_nodes picks or when no candidate is left.
     """
     if max_nodes < 0:
@@ -106,7 +113,8 @@ def greedy_expert_select(
     root = root_bits.detach().cpu().contiguous().numpy().view(np.uint64) if root_bits is not None else None
     for b in range(B):
         buf = root[b].copy() if root is not None else np.zeros(bits.shape[2], dtype=np.uint64)
-        n, u = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal, order[b], cu[b], uniq[b])
+        n, u = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal, order[b], cu[b],
+                           uniq[b], placement)
         counts[b] = n
     return GreedyOrder(
         node_idx=torch.from_numpy(order).to(scores.device),
@@ -116,7 +124,7 @@ def greedy_expert_select(
     )
 
 
-def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, marginal, order, cu, uniq):
+def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, marginal, order, cu, uniq, placement=None):
     """One request of greedy_expert_select (numpy, writes into order/cu/uniq)."""
     N = len(scores)
     children = [[] for _ in range(N + 1)]  # children[N] = the root's children
@@ -125,27 +133,41 @@ def _greedy_one(scores, parents, valid, bits, buf, M, token_cost, expert_cost, m
     is_cand = np.zeros(N, dtype=bool)
     is_cand[children[N]] = True
     union = buf.copy()
-    not_ref = ~buf  # bits that count as new
-    uniq[0] = int(np.bitwise_count(union).sum())
+    ref = buf  # what new experts are counted against: the growing union (marginal) or the initial buffer
+    uniq[0] = _expert_count(union, placement)
     n = 0
     while n < M:
         cand = np.flatnonzero(is_cand)  # ascending, so argmax's first maximum is the lowest index
         if cand.size == 0:
             break
-        new = np.bitwise_count(bits[cand] & not_ref).sum(1)
+        new = _new_experts(bits[cand], ref, placement)
         v = cand[int(np.argmax(scores[cand] / (token_cost + expert_cost * new)))]
         is_cand[v] = False
         is_cand[children[v]] = True
         union |= bits[v]
         if marginal:
-            not_ref = ~union
+            ref = union
         order[n] = v
         cu[n + 1] = cu[n] + scores[v]
         n += 1
-        uniq[n] = int(np.bitwise_count(union).sum())
+        uniq[n] = _expert_count(union, placement)
     cu[n + 1 :] = cu[n]
     uniq[n + 1 :] = uniq[n]
     return n, uniq
+
+
+def _expert_count(words: np.ndarray, placement: ExpertPlacement | None) -> int:
+    """|U| on one device, U_max under EP."""
+    if placement is None:
+        return int(np.bitwise_count(words).sum())
+    return int(placement.busiest_np(words))
+
+
+def _new_experts(cand_bits: np.ndarray, ref: np.ndarray, placement: ExpertPlacement | None) -> np.ndarray:
+    """[C] cost growth of adding each candidate's path set [C, W] to `ref` [W]."""
+    if placement is None:
+        return np.bitwise_count(cand_bits & ~ref).sum(1)
+    return placement.busiest_np(ref[None, :] | cand_bits) - placement.busiest_np(ref)
 
 
 def joint_token_cost(c_tok: float, c_exp: float) -> float:

@@ -17,6 +17,7 @@ import torch
 
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout
+from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import ArPolicy, Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
@@ -54,7 +55,7 @@ class SpecEngine:
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
                  predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
-                 guard: Guard | None = None):
+                 placement: ExpertPlacement | None = None, guard: Guard | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
@@ -62,6 +63,7 @@ class SpecEngine:
         self.predictor = predictor  # .predict(context_ids, tree, engine) -> (ExpertSets, root bits [1, W]) or None
         self.selector = selector  # optional device op replacing policy.select (same contract)
         self.values = values  # node values for the cost-aware policies (None = raw path scores)
+        self.placement = placement  # expert parallelism: which rank holds each expert (stats per rank)
         self.guard = guard if policy.drafts else None  # speculate-or-not before each step (guard.py)
 
     # ------------------------------------------------------------------ public
@@ -153,7 +155,7 @@ class SpecEngine:
             committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
             target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
-            predictor_hits=hits, predictor_total=checked, speculated=speculate,
+            predictor_hits=hits, predictor_total=checked, speculated=speculate, **_per_rank_stats(out, self.placement),
         ))
         if guard is not None:
             guard.observe(speculate, len(emitted), request.steps[-1].step_ms / 1e3, int(layout.num_nodes[0]))
@@ -178,22 +180,25 @@ class SpecEngine:
         return torch.where(tree.valid[0], local, 0.0)[None]
 
     def _append(self, request: Request, tokens: list[int]) -> bool:
-        """Add committed tokens, applying eos, stop strings and max_tokens; True when finished."""
+        """Add committed tokens, applying eos, max_tokens and stop strings; True when finished.
+
+        Stop strings are checked after eos / max_tokens too: a stop string completed by the step's
+        last token (or before an eos in the same step) still ends the output before it.
+        """
         for tok in tokens:
             request.output_ids.append(tok)
             if tok in request.stop_ids:
                 request.finish_reason = "stop"
-                return True
+                break
             if len(request.output_ids) >= request.max_tokens:
                 request.finish_reason = "length"
-                return True
+                break
         if request.stop_check is not None:
             cut = request.stop_check(request.output_ids)
             if cut is not None:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
-                return True
-        return False
+        return request.finish_reason is not None
 
 
 _PLAIN = ArPolicy()  # the selection of a plain step: the root alone
@@ -206,6 +211,15 @@ def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
     onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
     return float(onehot.sum(1).float().mean())
+
+
+def _per_rank_stats(out: TargetOutput, placement: ExpertPlacement | None) -> dict:
+    """Under EP: distinct experts each rank computed (mean over MoE layers) and U_max per layer."""
+    if placement is None:
+        return {}
+    counts = unique_per_rank_per_layer(out.expert_ids[0], placement).float()  # [N, L]
+    return {"unique_experts_per_rank": tuple(counts.mean(1).tolist()),
+            "busiest_rank_experts_per_layer": float(counts.max(0).values.mean())}
 
 
 def _predictor_hits(experts: ExpertSets | None, out: TargetOutput, layout: TreeLayout,

@@ -25,6 +25,8 @@ class StepStats:
     predictor_hits: int = 0  # predicted (layer, expert) pairs that the target really used, accepted nodes
     predictor_total: int = 0  # predicted pairs checked
     speculated: bool = True  # False: a plain step chosen by the speculate-or-not rule (nothing drafted)
+    unique_experts_per_rank: tuple[float, ...] = ()  # EP: distinct experts per rank, mean over MoE layers
+    busiest_rank_experts_per_layer: float | None = None  # EP: U_max / L, each layer's busiest rank, mean over layers
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class GenerationStats:
     predictor_topk_acc: float | None
     acceptance_lengths: tuple[int, ...]  # committed tokens per iteration
     num_draft_tokens: tuple[int, ...]  # verified nodes per iteration
+    unique_experts_per_rank: tuple[float, ...] = ()  # EP: per rank, mean over MoE layers and iterations
+    busiest_rank_experts_per_layer: float | None = None  # EP: mean over iterations of U_max / L
 
     @staticmethod
     def from_steps(steps: list[StepStats], num_tokens: int, prefill_ms: float) -> "GenerationStats":
@@ -74,6 +78,7 @@ class GenerationStats:
             predictor_topk_acc=hits / checked if checked else None,
             acceptance_lengths=tuple(s.committed_tokens for s in steps),
             num_draft_tokens=tuple(s.verified_tokens for s in steps),
+            **_per_rank_means(steps),
         )
 
     @property
@@ -103,11 +108,15 @@ class GenerationStats:
             predictor_topk_acc=float(np.mean(accs)) if accs else None,
             acceptance_lengths=tuple(x for s in stats for x in s.acceptance_lengths),
             num_draft_tokens=tuple(x for s in stats for x in s.num_draft_tokens),
+            **_merge_per_rank(stats),
         )
 
     def summary(self) -> str:
         """The one-line stats summary the CLI prints."""
         acc = f", predictor acc {self.predictor_topk_acc:.0%}" if self.predictor_topk_acc is not None else ""
+        if self.busiest_rank_experts_per_layer is not None:
+            acc += (f" | per EP rank {'/'.join(f'{x:.1f}' for x in self.unique_experts_per_rank)}, "
+                    f"busiest {self.busiest_rank_experts_per_layer:.1f}")
         return (f"{self.num_tokens} tokens in {self.decode_s + self.prefill_ms / 1e3:.2f}s = {self.tokens_per_s:.1f} tok/s | "
                 f"Mat {self.mean_accepted_tokens:.2f} | verified/step {self.verified_tokens:.1f} | "
                 f"unique experts/layer {self.unique_experts_per_layer:.1f}{acc}")
@@ -117,3 +126,22 @@ class GenerationStats:
         d["acceptance_lengths"] = list(self.acceptance_lengths)
         d["num_draft_tokens"] = list(self.num_draft_tokens)
         return d
+
+
+def _per_rank_means(steps: list[StepStats]) -> dict:
+    """EP fields of GenerationStats (empty without expert parallelism)."""
+    ep = [s for s in steps if s.busiest_rank_experts_per_layer is not None]
+    if not ep:
+        return {}
+    return {"unique_experts_per_rank": tuple(np.mean([s.unique_experts_per_rank for s in ep], axis=0).tolist()),
+            "busiest_rank_experts_per_layer": float(np.mean([s.busiest_rank_experts_per_layer for s in ep]))}
+
+
+def _merge_per_rank(stats: list[GenerationStats]) -> dict:
+    ep = [s for s in stats if s.busiest_rank_experts_per_layer is not None]
+    if not ep:
+        return {}
+    w = np.array([s.num_steps for s in ep], dtype=float)
+    w = w / w.sum() if w.sum() else np.full(len(ep), 1.0 / len(ep))
+    return {"unique_experts_per_rank": tuple((w[:, None] * np.array([s.unique_experts_per_rank for s in ep])).sum(0).tolist()),
+            "busiest_rank_experts_per_layer": float((w * np.array([s.busiest_rank_experts_per_layer for s in ep])).sum())}

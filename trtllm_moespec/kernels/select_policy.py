@@ -1,7 +1,8 @@
 """Run a core policy as the `moespec::select_tree` device op (the engine's CUDA path).
 
 Policies the op covers (evict, ecospec, joint) select on the device without a host
-sync; the others fall back to their core implementation.
+sync; the others, and ecospec / joint with an EP placement, fall back to their core
+implementation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def select_on_device(policy: SelectionPolicy, tree: DraftTree, experts: ExpertSe
         empty = torch.zeros(B, N, 1, dtype=torch.int64, device=device)
         return select_tree(tree.scores, tree.parents, tree.valid, tree.depth, empty, empty[:, 0],
                            table.as_tensor(device), "evict", budget)
-    if isinstance(policy, (EcoSpecPolicy, JointPolicy)) and experts is not None:
+    if isinstance(policy, (EcoSpecPolicy, JointPolicy)) and experts is not None and policy.placement is None:
+        # (the op prices the global union; EP-aware pricing runs the core reference below)
         root = root_bits if root_bits is not None else torch.zeros_like(experts.bits[:, 0])
         no_table = torch.zeros(0, dtype=torch.float64, device=device)
         if isinstance(policy, EcoSpecPolicy):

@@ -36,6 +36,7 @@ class ArchSpec:
     attn_implementation: str | None  # forced attention implementation (None = transformers default)
     mask_by_layer_type: bool  # True: the model takes {"full_attention": m, "sliding_attention": m_sw}
     num_experts_attr: str  # config attribute holding the routed-expert count
+    experts_path: str = "model.layers.{i}.mlp.experts"  # layer i's stacked experts module (sharded under EP)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {

@@ -21,6 +21,10 @@ Without `--out` the profile goes beside the model, except for models shipped ins
 the package (moespec-tiny): their assets are never written by a default; the profile
 then goes to ./<model>.cost_profile.json (use it with --cost-profile, or pass --out
 explicitly to replace the shipped one).
+
+Expert parallelism: `mpirun -n N moespec profile --ep N ...` profiles the N-rank engine
+and fits C(k, U_max), U_max = each MoE layer's busiest rank summed over layers
+(core/placement.py), the U that EP-aware joint / ecospec price.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def default_prompts(num: int = 3) -> list[str]:
 def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, tree=None, device: str = "cpu",
                   dtype: str = "float32", repeats: int = 40, warmup_rounds: int = 2, prompts: list[str] | None = None,
                   out: str | Path | None = None, seed: int = 0, show_progress: bool = True,
-                  allow_noisy: bool = False) -> ProfileResult:
+                  allow_noisy: bool = False, ep=None) -> ProfileResult:
     """Measure, fit and save a cost profile (returns what was written; ValueError if too noisy)."""
     import torch
     from tqdm.auto import tqdm
@@ -80,7 +84,7 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
 
     path = output_path(resolve_model(model, draft_model).cost_profile, out)
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
-              policy_options={"budget": tree.max_draft_tokens}, threads=None)  # --threads already applied
+              policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
     max_k = tree.max_draft_tokens
     limit = llm.target.max_position_embeddings
     gen_tokens = min(512, limit // 2)
@@ -111,7 +115,8 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
               f"medians; spread = IQR; {len(ids)} prompts, greedy; C(k, U) least squares over {len(fit_on)} of "
               f"{len(samples)} steps (Tukey-fence outliers per k dropped); plain step = median of {len(plain)} "
               f"interleaved plain steps; drafter forward = median of {repeats} (steps - 1 step drafts) / "
-              f"(steps - 1); torch threads {torch.get_num_threads()}")
+              f"(steps - 1); torch threads {torch.get_num_threads()}"
+              + (f"; expert parallel over {ep.group.world_size} ranks, U = U_max (busiest rank per layer)" if ep else ""))
     costs = monotone(curve.median_s)
     noise = assess_noise(curve, costs, plain_s)
     if noise.verdict == "unusable" and not allow_noisy:
@@ -236,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
     p.add_argument("--prompts", nargs="+", default=None, help="prompt texts (default: one per bundled dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the k interleaving order")
+    p.add_argument("--ep", type=int, default=None, help="expert parallelism: `mpirun -n N moespec profile --ep N` "
+                   "fits C(k, U_max)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a shared CPU more "
                    "threads stall in OpenMP barriers; 0 = torch's default). Bench with the same setting.")
     return p
@@ -256,15 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.config import TreeConfig
 
     args = build_parser().parse_args(argv)
-    try:
-        set_threads(args.threads)
+
+    def run(ep=None) -> int:
         result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
                                args.repeats, args.warmup, args.prompts, args.out, args.seed,
-                               allow_noisy=args.allow_noisy)
+                               allow_noisy=args.allow_noisy, ep=ep)
+        print(format_table(result))
+        if result.noise is not None and result.noise.verdict != "ok":
+            print(f"moespec profile: WARNING: {result.noise.message()}", file=sys.stderr)
+        return 0
+
+    try:
+        set_threads(args.threads)
+        from ..parallel.run import launch_ep_size, run_expert_parallel
+
+        if launch_ep_size(args.ep, args.model) > 1:
+            return run_expert_parallel(args.device, max(args.threads, 1), run)
+        return run()
     except (ValueError, FileNotFoundError) as e:
         print(f"moespec profile: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    if result.noise is not None and result.noise.verdict != "ok":
-        print(f"moespec profile: WARNING: {result.noise.message()}", file=sys.stderr)
-    return 0

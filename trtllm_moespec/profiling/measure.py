@@ -126,8 +126,11 @@ def run_interleaved(driver: StepDriver, policy: ForcedBudget, ks: list[int], rou
                 progress.update(1)
             if r < warmup_rounds:
                 continue
+            # Under expert parallelism U is U_max (each layer's busiest rank): what a step waits for.
+            per_layer = s.unique_experts_per_layer if s.busiest_rank_experts_per_layer is None \
+                else s.busiest_rank_experts_per_layer
             samples.append(StepSample(int(k), PLAIN if k == PLAIN else s.verified_tokens,
-                                      int(round(s.unique_experts_per_layer * num_moe_layers)),
+                                      int(round(per_layer * num_moe_layers)),
                                       s.step_ms / 1e3, s.verify_ms / 1e3))
     return samples
 

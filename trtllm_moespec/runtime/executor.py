@@ -91,12 +91,12 @@ class ExecutorBackend(Protocol):
 
 
 class _PytorchBackend:
-    def __init__(self, spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None):
+    def __init__(self, spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None, ep: Any = None):
         import trtllm_moespec
 
         kwargs = pytorch_llm_kwargs(spec, engine_dir, device, dtype)
         kwargs["tree"] = trtllm_moespec.TreeConfig(**kwargs["tree"])
-        self.llm = trtllm_moespec.LLM(**kwargs)
+        self.llm = trtllm_moespec.LLM(**kwargs, ep=ep)
 
     def generate(self, prompts: Sequence[str], params: Any) -> list[Any]:
         return self.llm.generate(list(prompts), params)
@@ -170,7 +170,8 @@ class Executor:
 
     def __init__(self, engine_dir: str | Path, backend: str = "auto", *, device: str | None = None,
                  dtype: str | None = None, profile: int | None = None, mpi_session: Any = None,
-                 world_size: int = 1):
+                 world_size: int = 1, ep: Any = None):
+        """ep: rank 0's `parallel.run.EPContext` when the PyTorch engine runs expert-parallel under mpirun."""
         self.engine_dir = Path(engine_dir)
         self.spec = load_engine_spec(self.engine_dir)
         self.backend = choose_backend(backend, trtllm_available())
@@ -181,7 +182,7 @@ class Executor:
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
-            self._impl = _PytorchBackend(self.spec, self.engine_dir, device, dtype)
+            self._impl = _PytorchBackend(self.spec, self.engine_dir, device, dtype, ep)
 
     def generate(self, prompts: str | Sequence[str], sampling_params: Any = None) -> list[Any]:
         if isinstance(prompts, str):

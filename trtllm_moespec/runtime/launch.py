@@ -5,8 +5,9 @@ With tensorrt_llm importable, every rank first installs the MoESpec worker
 rank 0 builds the Executor on TensorRT-LLM with an MPI session over COMM_WORLD (the
 tensor/expert-parallel sizes come from the engine directory; the world size must
 equal tp * pp) and the other ranks serve `MPICommExecutor`, as TensorRT-LLM's own
-llmapi Triton model does. Without tensorrt_llm, rank 0 runs our PyTorch engine alone and every other
-rank exits at once with a message: the multi-rank PyTorch engine is a later issue.
+llmapi Triton model does. Without tensorrt_llm, one process runs our PyTorch engine; under
+mpirun the ranks run it expert-parallel (`trtllm_moespec.parallel`: the world size must
+equal the engine's ep; rank 0 drafts and selects, every rank runs the verify forward).
 `--plan-only` prints what each rank would do (with TensorRT-LLM: after installing,
 which worker class its `get_spec_worker` would build for the main profile) and exits.
 """
@@ -37,16 +38,17 @@ class LaunchPlan:
 
 
 def mpi_rank_and_size() -> tuple[int, int]:
-    """(rank, world size) from mpi4py when available, else launcher env vars, else (0, 1)."""
+    """(rank, world size) from the launcher's env vars, else mpi4py, else (0, 1). The env comes first so
+    that nothing initialises MPI before the PyTorch expert-parallel path forks its rank supervisor."""
+    if any(k in os.environ for k in _SIZE_ENV):
+        rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
+        return rank, next(int(os.environ[k]) for k in _SIZE_ENV if k in os.environ)
     try:
         from mpi4py import MPI
 
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     except ImportError:
-        pass
-    rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
-    size = next((int(os.environ[k]) for k in _SIZE_ENV if k in os.environ), 1)
-    return rank, size
+        return 0, 1
 
 
 def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> LaunchPlan:
@@ -57,11 +59,16 @@ def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> L
             raise ValueError(f"mpirun started {world_size} ranks but the engine needs tp*pp = {tp}*{pp} = {tp * pp}")
         role = "leader" if rank == 0 else "worker"
         return LaunchPlan(backend, role, f"rank {rank}/{world_size}: TensorRT-LLM {role} (tp={tp}, ep={spec.parallel.ep})")
-    if rank == 0:
-        note = "" if world_size == 1 else f"; ranks 1..{world_size - 1} exit (multi-rank PyTorch engine is a later issue)"
-        return LaunchPlan(backend, "leader", f"rank 0/{world_size}: tensorrt_llm not available, running the PyTorch engine on this rank only{note}")
-    return LaunchPlan(backend, "exit", f"rank {rank}/{world_size}: tensorrt_llm not available and the PyTorch engine runs on rank 0 only "
-                      "(multi-rank PyTorch engine is a later issue); this rank exits")
+    if world_size == 1:
+        return LaunchPlan(backend, "leader", "rank 0/1: tensorrt_llm not available, running the PyTorch engine in this process")
+    ep = spec.parallel.ep
+    if world_size != ep:
+        raise ValueError(f"mpirun started {world_size} ranks but the engine's expert parallelism is ep={ep}: they must "
+                         "match for the PyTorch engine")
+    role = "leader" if rank == 0 else "ep_worker"
+    what = "drafts, selects and verifies" if rank == 0 else "serves rank 0's verify forwards"
+    return LaunchPlan(backend, role, f"rank {rank}/{world_size}: tensorrt_llm not available, PyTorch engine with expert "
+                      f"parallelism ep={ep}: this rank holds 1/{ep} of every MoE layer's experts and {what}")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -112,13 +119,13 @@ def _trtllm_mpi_session(world_size: int):  # GPU machines only
     return MpiCommSession(comm=COMM_WORLD, n_workers=world_size)
 
 
-def _run_leader(args: argparse.Namespace, backend: str, world_size: int) -> None:
+def _run_leader(args: argparse.Namespace, backend: str, world_size: int, ep=None) -> int:
     from .. import SamplingParams
     from .executor import Executor
 
     session = _trtllm_mpi_session(world_size) if backend == "tensorrt_llm" else None
     executor = Executor(args.engine_dir, backend, device=args.device, dtype=args.dtype, mpi_session=session,
-                        world_size=world_size)
+                        world_size=world_size, ep=ep)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:
@@ -129,6 +136,17 @@ def _run_leader(args: argparse.Namespace, backend: str, world_size: int) -> None
         print(f"--- {prompt!r}\n{out.text}")
     stats = [{k: getattr(o.stats, k, None) for k in ("mean_accepted_tokens", "verified_tokens")} for o in outputs]
     print(json.dumps({"backend": backend, "engine_dir": str(args.engine_dir), "stats": stats}))
+    return 0
+
+
+def _run_pytorch_ep(args: argparse.Namespace, spec: EngineSpec, world_size: int) -> int:
+    """Every rank: the PyTorch engine split over the MPI world by experts (trtllm_moespec.parallel)."""
+    from ..parallel.run import check_launch, run_expert_parallel
+
+    if spec.checkpoint is None:
+        raise ValueError(f"{args.engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
+    check_launch(world_size, spec.checkpoint)
+    return run_expert_parallel(args.device or "cpu", 1, lambda ctx: _run_leader(args, "pytorch", world_size, ep=ctx))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,11 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if args.plan_only:
         return 0
+    if backend == "pytorch" and world_size > 1:
+        try:
+            return _run_pytorch_ep(args, spec, world_size)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"rank {rank}: error: {e}", file=sys.stderr)
+            return 2
     if plan.role == "worker":
         _serve_as_trtllm_worker()
         return 0
-    _run_leader(args, backend, world_size)
-    return 0
+    return _run_leader(args, backend, world_size)
 
 
 if __name__ == "__main__":

@@ -183,10 +183,12 @@ def serve_decoupled(pb_utils: Any, request: Any, stream: Callable[[RequestParams
         params = parse_request(pb_utils, request)
         output = None
         for event in stream(params):
+            # The last event may carry text too (a multi-byte character held back until complete):
+            # streamed chunks, joined, must equal the final text.
+            if params.streaming and event.text:
+                sender.send(text_response(pb_utils, event.text))
             if event.output is not None:
                 output = event.output
-            elif params.streaming and event.text:
-                sender.send(text_response(pb_utils, event.text))
         if output is None:
             raise RuntimeError("the engine ended the stream without a final output")
         sender.send(build_response(pb_utils, output), flags=final)

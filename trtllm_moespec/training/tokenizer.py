@@ -35,12 +35,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
     return tokenizer
 
 
-# moespec-tiny is trained on Python source, not on conversations: `LLM.chat` renders messages as Python
-# comments ("# user: ...", then "# assistant:"), a form the model continues; it is not instruction-tuned.
-CHAT_TEMPLATE = ("{%- for message in messages %}# {{ message['role'] }}: {{ message['content'] | replace('\\n', '\\n# ') }}\n"
-                 "{% endfor %}{%- if add_generation_prompt %}# assistant:{% endif %}")
-
-
 def save_pretrained(tokenizer: Tokenizer, out_dir: Path, model_max_length: int = 2048) -> None:
     """Write the files ``AutoTokenizer.from_pretrained(out_dir)`` needs."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +49,6 @@ def save_pretrained(tokenizer: Tokenizer, out_dir: Path, model_max_length: int =
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN}
