@@ -33,6 +33,8 @@ from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafte
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
 METHODS = tuple(sorted(set(POLICIES) | {"ddd"}))
+COST_AWARE = ("evict", "ecospec", "joint", "coverage", "ddd")  # policies that get the drafting rules by default
+GUARD_MODES = ("auto", "measured", "profiled", "off")
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class LLM:
         policy_options: dict | None = None,
         ddd_threshold: float | None = None,
         override_profile: bool = False,
+        guard: str = "auto",
+        draft_stop: bool | None = None,
         ep=None,
         ep_pricing: bool = True,
         model_impl: str = "lean",
@@ -126,6 +130,10 @@ class LLM:
             raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {drafter!r}")
         if not isinstance(tree, TreeConfig):
             raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        if guard not in GUARD_MODES:
+            raise ValueError(f"guard must be one of {', '.join(GUARD_MODES)}, got {guard!r}")
+        if draft_stop not in (None, True, False):
+            raise ValueError(f"draft_stop must be None (auto), True or False, got {draft_stop!r}")
         if values not in VALUE_KINDS:
             raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
         _check_argument_types(model=model, draft_model=draft_model, cost_profile=cost_profile, predictor=predictor,
@@ -156,6 +164,11 @@ class LLM:
         profile = load_cost_profile(policy, cost_profile, self.paths, device_name(self.device), dtype, tree,
                                     override_profile)
 
+        rules_profile = profile if profile is not None else _optional_profile(policy, self.paths, self.device, dtype,
+                                                                              tree, override_profile)
+        guard_obj = _build_guard(policy, guard, rules_profile)
+        stop_rule = _build_stop_rule(policy, draft_stop, rules_profile, tree)
+
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
 
@@ -175,7 +188,8 @@ class LLM:
 
             eagle3 = load_eagle3(self.paths.draft, target=self.target)
             source = Eagle3Source(eagle3, tree.steps, tree.topk,
-                                  ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None))
+                                  ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None),
+                                  stop_rule)
         elif needs.drafts:
             from .models.ngram import NgramConfig, NgramDrafter
 
@@ -184,7 +198,7 @@ class LLM:
                          if self.policy.needs_experts else None)
         value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
-                                 value_model, placement=placement)
+                                 value_model, placement=placement, guard=guard_obj)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
@@ -355,6 +369,52 @@ def _build_policy(name: str, tree: TreeConfig, profile: CostTable | None, option
             raise ValueError("policy 'joint' needs a cost profile with an expert cost fit; run `moespec profile`")
         opts.setdefault("cost_model", profile.expert_model)
     return make_policy("eagle3" if name == "ddd" else name, **opts)
+
+
+def _optional_profile(policy: str, paths: ModelPaths, device: torch.device, dtype: str, tree: TreeConfig,
+                      override: bool) -> CostTable | None:
+    """The model's own profile for the drafting rules of a cost-aware policy that does not need one
+    (ecospec, coverage, ddd): used when present and valid for this setting, else those rules fall back
+    (the guard then measures both step kinds itself; drafting is not cut)."""
+    if policy not in COST_AWARE or not paths.cost_profile.is_file():
+        return None
+    try:
+        return CostTable.load(paths.cost_profile, model_id=paths.model_id, device=device_name(device), dtype=dtype,
+                              tree=tree.as_tuple(), override=override)
+    except ValueError:
+        return None
+
+
+def _build_guard(policy: str, mode: str, profile: CostTable | None):
+    """The speculate-or-not rule: `auto` = the measured goodput guard for cost-aware policies, off otherwise;
+    `measured`; `profiled` (k = 0 before drafting on the profiled costs only); `off`."""
+    from .engine.guard import Guard, GuardConfig
+
+    if mode == "auto":
+        mode = "measured" if policy in COST_AWARE else "off"
+    if mode == "off" or policy == "ar":
+        return None
+    table = profile.costs if profile is not None else None
+    plain = profile.plain_step if profile is not None else None
+    if mode == "profiled" and plain is None:
+        raise ValueError("guard='profiled' needs a cost profile with a plain-step cost; re-profile with `moespec profile`")
+    return Guard(GuardConfig(measured=mode == "measured"), table, plain)
+
+
+def _build_stop_rule(policy: str, draft_stop: bool | None, profile: CostTable | None, tree: TreeConfig):
+    """Stop drafting when another drafter forward cannot pay (core.drafting); on by default for the
+    cost-aware policies when the profile has the cost of one drafter forward."""
+    from .core.drafting import DraftStopRule
+
+    wanted = (policy in COST_AWARE and policy != "ddd") if draft_stop is None else draft_stop
+    if not wanted:
+        return None
+    if profile is None or profile.draft_forward is None:
+        if draft_stop:
+            raise ValueError("draft_stop=True needs a cost profile with the cost of one drafter forward; "
+                             "re-profile with `moespec profile`")
+        return None
+    return DraftStopRule(profile.costs, profile.draft_forward, tree.steps)
 
 
 def _device_selector(device: torch.device):

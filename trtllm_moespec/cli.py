@@ -96,6 +96,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--values", default="calibrated", choices=["raw", "calibrated", "head"],
                    help="node values of the cost-aware policies: calibrated acceptance probability, the "
                         "learned acceptance head, or raw draft path scores (ablation)")
+    p.add_argument("--guard", default="auto", choices=["auto", "measured", "profiled", "off"],
+                   help="speculate-or-not before each step: auto (default) = the measured goodput guard for the "
+                        "cost-aware policies, off for eagle3; profiled = k=0 on the profiled costs only")
+    p.add_argument("--draft-stop", default=None, action=argparse.BooleanOptionalAction,
+                   help="stop drafting when another drafter forward cannot pay (default: on for the cost-aware "
+                        "policies when the cost profile has the drafter-forward cost)")
     p.add_argument("--threads", type=_bounded_int(1), default=1,
                    help="torch intra-op threads on CPU (small models gain nothing from more, and a shared CPU "
                         "makes OpenMP barriers stall)")
@@ -110,7 +116,8 @@ def _llm_from_args(args, ep=None):
     return LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=args.tree,
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
                drafter=args.drafter, override_profile=args.override_profile, values=args.values,
-               model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True))
+               model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True),
+               guard=args.guard, draft_stop=args.draft_stop)
 
 
 def read_prompt_file(path: str) -> str:

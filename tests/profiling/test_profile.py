@@ -11,7 +11,7 @@ from trtllm_moespec.cli import main as cli_main
 from trtllm_moespec.core.cost import CostTable
 from trtllm_moespec.engine.config import TreeConfig
 from trtllm_moespec.profiling import profile_model
-from trtllm_moespec.profiling.measure import StepSample, monotone, trim_outliers
+from trtllm_moespec.profiling.measure import CostCurve, StepSample, assess_noise, monotone, trim_outliers, trim_values
 
 TREE = TreeConfig(2, 4, 8)
 
@@ -21,7 +21,8 @@ def profiled(tmp_path_factory):
     """Profile written beside the model by the CLI (overwrites the synthetic (4, 8, 32) one)."""
     target, draft = make_checkpoint(tmp_path_factory.mktemp("profile"), "qwen3_moe")
     rc = cli_main(["profile", "--model", str(target), "--draft-model", str(draft), "--tree", "2,4,8",
-                   "--repeats", "3", "--warmup", "1", "--prompts", "def add(a, b):", "Janet has 16 eggs."])
+                   "--repeats", "3", "--warmup", "1", "--prompts", "def add(a, b):", "Janet has 16 eggs.",
+                   "--allow-noisy"])  # 3 repeats on a random model: too few to rank, written anyway (labelled)
     assert rc == 0
     return target, draft, target / "cost_profile.json"
 
@@ -91,3 +92,53 @@ def test_trim_outliers_drops_load_spikes_per_k():
              for t in ts]
     kept = trim_outliers(steps)
     assert sorted(s.seconds for s in kept) == [0.9, 1.0, 1.0, 1.1, 2.0, 2.0, 2.0]
+
+
+def test_plain_step_drafter_forward_and_load_are_recorded(profiled):
+    _, _, path = profiled
+    data = json.loads(path.read_text())
+    table = CostTable.load(path)
+    assert table.plain_step > 0 and table.draft_forward > 0  # measured (their sizes are timings: not asserted)
+    assert len(table.load_average) == 6
+    assert data["noise"]["verdict"] in ("ok", "noisy", "unusable") and data["noise"]["span_s"] > 0
+    assert -1 not in data["measured"]["samples"]["k"]  # plain steps are not C(k) samples
+
+
+def test_out_directory_is_refused_early_and_leaves_nothing(profiled, tmp_path, capsys):
+    target, draft, _ = profiled
+    (tmp_path / "d").mkdir()
+    rc = cli_main(["profile", "--model", str(target), "--draft-model", str(draft), "--tree", "2,4,8",
+                   "--repeats", "3", "--out", str(tmp_path / "d")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a directory" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no stray .tmp
+
+
+def test_default_out_never_writes_the_shipped_assets(tmp_path, monkeypatch):
+    from trtllm_moespec.assets import TINY_DIR
+    from trtllm_moespec.profiling import output_path
+
+    monkeypatch.chdir(tmp_path)
+    shipped = TINY_DIR / "cost_profile.json"
+    assert output_path(shipped, None) == tmp_path / "moespec-tiny.cost_profile.json"
+    assert output_path(tmp_path / "m" / "cost_profile.json", None) == tmp_path / "m" / "cost_profile.json"
+    assert output_path(shipped, shipped) == shipped  # explicit --out: the maintainer's regeneration
+
+
+def test_noise_check_refuses_what_it_cannot_rank():
+    def curve(iqr, n):
+        return CostCurve((0.040, 0.050), (iqr, iqr), (1.0, 2.0), (n, n))
+
+    costs = (0.040, 0.050)  # C(K) - C(0) = 10 ms
+    assert assess_noise(curve(0.002, 40), costs, 0.015).verdict == "ok"  # SE 0.29 ms
+    assert assess_noise(curve(0.012, 20), costs, 0.015).verdict == "noisy"  # SE 2.5 ms
+    bad = assess_noise(curve(0.030, 10), costs, 0.015)  # SE 8.8 ms
+    assert bad.verdict == "unusable" and "ratio" in bad.message()
+    # The k = 0 rule ranks C(0) against the plain step: a 1 ms gap is the smaller difference there.
+    assert assess_noise(curve(0.002, 40), costs, 0.039).verdict == "unusable"
+
+
+def test_trim_values_drops_spikes_on_both_sides():
+    assert trim_values([1.0, 1.1, 0.9, 1.0, 9.0, -5.0]) == [1.0, 1.1, 0.9, 1.0]
+    assert trim_values([1.0, 50.0]) == [1.0, 50.0]  # too few to call anything an outlier

@@ -62,6 +62,9 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--gamma-sweep", type=_csv(int), default=(), help="ablation: EcoSpec gamma values, e.g. 3,4,5,6")
     p.add_argument("--predictor-ablation", action="store_true", help="ablation: learned vs oracle expert predictor")
     p.add_argument("--rho-sweep", type=_csv(float), default=(), help="ablation: coverage rho values, e.g. 0.5,0.8,0.95")
+    p.add_argument("--guard-ablation", type=_csv(str), default=(),
+                   help="ablation: these cost-aware policies again without the speculate-or-not rule and the "
+                        "drafting stop rule, e.g. evict,joint")
     p.add_argument("--values", default="calibrated", help="node values of the cost-aware methods (evict, ecospec, "
                    "joint, coverage): calibrated, head, or raw (the ablation)")
     p.add_argument("--values-sweep", type=_csv(str), default=(), help="ablation: extra columns per cost-aware "
@@ -76,7 +79,7 @@ def resolve_methods(args) -> list[MethodSpec]:
     names = list(dict.fromkeys(args.methods))
     specs = [method_spec(n, args.predictor) for n in names]
     specs += ablation_specs(args.ecospec_global, tuple(args.gamma_sweep), args.predictor_ablation,
-                            tuple(args.rho_sweep), args.predictor)
+                            tuple(args.rho_sweep), args.predictor, tuple(args.guard_ablation))
     specs = values_specs([s for s in specs if s.label != "ar"], args.values, tuple(args.values_sweep))
     return [method_spec("ar")] + specs  # ar first: the reference of every prompt group
 
@@ -172,8 +175,8 @@ def _config(args, tree, specs, runners) -> dict:
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
             "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
-                         "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values}
-                        for s in specs]}
+                         "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values,
+                         "llm_options": dict(s.llm_options)} for s in specs]}
 
 
 def _profile_info(runners) -> dict | None:

@@ -26,6 +26,7 @@ class MethodSpec:
     predictor: str | None = None  # None = the model's own predictor; "oracle" = true routing (analysis)
     analysis_only: bool = False  # an upper bound, not a deployable method (its step runs extra target forwards)
     values: str = "calibrated"  # node values of the cost-aware policies (core/values.py); "raw" = ablation
+    llm_options: tuple[tuple[str, object], ...] = ()  # extra LLM(...) keywords, e.g. (("guard", "off"),)
 
     @property
     def options(self) -> dict:
@@ -44,7 +45,8 @@ def method_spec(name: str, predictor: str | None = None) -> MethodSpec:
 
 
 def ablation_specs(ecospec_global: bool = False, gamma_sweep: tuple[int, ...] = (), predictor_ablation: bool = False,
-                   rho_sweep: tuple[float, ...] = (), predictor: str | None = None) -> list[MethodSpec]:
+                   rho_sweep: tuple[float, ...] = (), predictor: str | None = None,
+                 guard_ablation: tuple[str, ...] = ()) -> list[MethodSpec]:
     """Extra columns for the papers' ablations.
 
     gamma counts the bonus token (EcoSpec's convention), so the node budget is gamma - 1.
@@ -64,6 +66,12 @@ def ablation_specs(ecospec_global: bool = False, gamma_sweep: tuple[int, ...] = 
         if not 0 < rho <= 1:
             raise ValueError(f"rho must lie in (0, 1], got {rho}")
         specs.append(MethodSpec(f"coverage[rho={rho:g}]", "coverage", policy_options=(("rho", float(rho)),)))
+    for name in guard_ablation:  # the cost-aware policy without the speculate-or-not rule and the drafting stop rule
+        if name not in ("ddd", "coverage", "evict", "ecospec", "joint"):
+            raise ValueError(f"--guard-ablation takes cost-aware policies (ddd, coverage, evict, ecospec, joint), got {name!r}")
+        base = method_spec(name, predictor)
+        specs.append(MethodSpec(f"{name}[guard=off,stop=off]", base.policy, predictor=base.predictor,
+                                llm_options=(("draft_stop", False), ("guard", "off"))))
     return specs
 
 
@@ -115,5 +123,6 @@ def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, de
 
     llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
               cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
-              policy_options=spec.options or None, values=spec.values, threads=None)  # bench set --threads
+              policy_options=spec.options or None, values=spec.values, threads=None,  # bench set --threads
+              **dict(spec.llm_options))
     return MethodRunner(spec, llm)

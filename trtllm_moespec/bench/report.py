@@ -19,7 +19,7 @@ SCHEMA = "moespec-bench/1"
 RESULT_KEYS = ("dataset", "method", "temperature", "analysis_only", "num_prompts", "num_tokens", "num_steps",
                "tokens_per_s", "speedup_vs_ar", "speedup_vs_eagle3", "mean_accepted_tokens", "verified_tokens",
                "unique_experts_per_layer", "draft_ms", "select_ms", "verify_ms", "predictor_ms", "commit_ms",
-               "overhead_ms", "predictor_topk_acc", "decoding_stats")
+               "overhead_ms", "predictor_topk_acc", "plain_step_fraction", "decoding_stats")
 DATASET_TITLES = {"humaneval": "HumanEval", "mt_bench": "MT-Bench", "gsm8k": "GSM8K"}
 
 
@@ -60,10 +60,17 @@ def aggregate(state: BenchState, analysis_only: dict[str, bool]) -> list[dict]:
             "unique_experts_per_layer": s.unique_experts_per_layer, "draft_ms": s.draft_ms, "select_ms": s.select_ms,
             "verify_ms": s.verify_ms, "predictor_ms": s.predictor_ms, "commit_ms": s.commit_ms,
             "overhead_ms": s.overhead_ms, "predictor_topk_acc": s.predictor_topk_acc,
+            "plain_step_fraction": _plain_fraction(state, (ds, method, temp)),
             "decoding_stats": {"acceptance_length": percentiles(s.acceptance_lengths),
                                "num_draft_tokens": percentiles(s.num_draft_tokens)},
         })
     return rows
+
+
+def _plain_fraction(state: BenchState, key) -> float | None:
+    """Share of steps the speculate-or-not rule decoded plainly (None for methods that never draft)."""
+    flags = state.steps.get(key, {}).get("speculated", [])
+    return float(1.0 - np.mean(flags)) if flags else None
 
 
 def build_report(*, status: str, error: str | None, command: list[str], config: dict, machine_start: dict,
@@ -162,14 +169,15 @@ def markdown(report: dict) -> str:
         out.append("")
     out += ["## Step anatomy (mean over datasets)", "",
             "| T | Method | verified/step | unique experts/layer | draft ms | predictor ms | select ms | verify ms | "
-            "commit ms | predictor acc | vs eagle3 |", "|---" * 11 + "|"]
+            "commit ms | predictor acc | plain steps | vs eagle3 |", "|---" * 12 + "|"]
     for t in temps:
         for meth in methods:
             cs = [cell[(d, meth, t)] for d in datasets if (d, meth, t) in cell]
             mean = lambda k: _fmt(np.mean([c[k] for c in cs if c[k] is not None]) if any(c[k] is not None for c in cs) else None)  # noqa: E731
             out.append(f"| {t:g} | {meth} | {mean('verified_tokens')} | {mean('unique_experts_per_layer')} | "
                        f"{mean('draft_ms')} | {mean('predictor_ms')} | {mean('select_ms')} | {mean('verify_ms')} | "
-                       f"{mean('commit_ms')} | {mean('predictor_topk_acc')} | {mean('speedup_vs_eagle3')}x |")
+                       f"{mean('commit_ms')} | {mean('predictor_topk_acc')} | {mean('plain_step_fraction')} | "
+                       f"{mean('speedup_vs_eagle3')}x |")
     out.append("")
     return "\n".join(out)
 

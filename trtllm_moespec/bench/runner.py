@@ -41,7 +41,7 @@ class BenchState:
 
 
 STEP_FIELDS = ("verified_tokens", "committed_tokens", "unique_experts_per_layer", "step_ms", "verify_ms", "draft_ms",
-               "select_ms", "predictor_ms")
+               "select_ms", "predictor_ms", "speculated")
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:

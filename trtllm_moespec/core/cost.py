@@ -39,6 +39,9 @@ class CostTable:
     date: str = field(default_factory=lambda: _dt.date.today().isoformat())
     spread: tuple[float, ...] | None = None  # e.g. inter-quartile range per k, seconds
     expert_model: "ExpertCostModel | None" = None  # optional fit stored beside the table
+    plain_step: float | None = None  # seconds of a plain decoding step (no drafting), for k = 0 before drafting
+    draft_forward: float | None = None  # seconds of one drafter forward while drafting a tree
+    load_average: tuple[float, ...] | None = None  # os.getloadavg() before and after measuring
 
     def __post_init__(self) -> None:
         costs = tuple(float(c) for c in self.costs)
@@ -50,6 +53,10 @@ class CostTable:
                 raise ValueError(f"cost table entry C({k}) is not finite ({c})")
             if c <= 0:
                 raise ValueError(f"cost table entry C({k}) = {c} is not positive")
+        for name in ("plain_step", "draft_forward"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"cost profile field {name} must be a positive number of seconds, got {v!r}")
         if self.tree is not None:
             object.__setattr__(self, "tree", tuple(int(x) for x in self.tree))
             if len(self.tree) != 3:
@@ -122,6 +129,9 @@ class CostTable:
             date=d.get("date", ""),
             spread=_numbers(d["spread"], "spread") if d.get("spread") is not None else None,
             expert_model=_expert_model_field(em) if em else None,
+            plain_step=d.get("plain_step"),
+            draft_forward=d.get("draft_forward"),
+            load_average=_numbers(d["load_average"], "load_average") if d.get("load_average") is not None else None,
         )
 
     @staticmethod

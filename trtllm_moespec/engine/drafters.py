@@ -6,8 +6,8 @@ so one loaded model can serve many requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -36,26 +36,73 @@ class NoDraft:
     def commit(self, state: Any, result: VerifyResult, verify: TargetOutput) -> None:
         return None
 
+    def defer(self, state: Any, result: VerifyResult, verify: TargetOutput) -> None:
+        return None
+
 
 class Eagle3Source:
-    """EAGLE-3 drafting with (steps, topk) and the optional DDD stop rule."""
+    """EAGLE-3 drafting with (steps, topk), the optional DDD stop rule and an optional
+    cost-aware stop rule (`core.drafting.DraftStopRule`)."""
 
     name = "eagle3"
 
-    def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None):
+    def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None, stop_rule=None):
         self.drafter, self.steps, self.topk, self.ddd_threshold = drafter, steps, topk, ddd_threshold
+        self.stop_rule = stop_rule
 
-    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int):
+    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> "Eagle3State":
         cache = self.drafter.new_cache()
         self.drafter.prefill(cache, prompt_ids, prefill.hidden, next_token=root)
-        return cache
+        return Eagle3State(cache)
 
-    def draft(self, state, context: list[int], device: torch.device) -> Draft:
-        out = self.drafter.draft_tree(state, self.steps, self.topk, self.ddd_threshold)
+    def draft(self, state: "Eagle3State", context: list[int], device: torch.device) -> Draft:
+        self._catch_up(state)
+        rule = self.stop_rule
+        if rule is not None and state.node_values is not None:
+            rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
+        expand = None if rule is None else _should_expand(rule)
+        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
         return Draft(out.tree, out.node_hidden)
 
-    def commit(self, state, result: VerifyResult, verify: TargetOutput) -> None:
-        self.drafter.commit(state, result.accepted_pos[0], result.emitted_ids[0], verify.hidden)
+    def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
+        self._catch_up(state)
+        self.drafter.commit(state.cache, result.accepted_pos[0], result.emitted_ids[0], verify.hidden)
+
+    def defer(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
+        """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden)
+        instead of running a drafter forward now; the next draft extends by all of them in one forward."""
+        if int(result.num_accepted[0]) != 0:
+            raise ValueError("defer() is for plain steps: nothing may have been accepted")
+        state.pending_ids.append(result.emitted_ids[0, :1])  # [1]
+        state.pending_hidden.append(verify.hidden[0, :1])  # [1, 3H] the root position
+
+    def _catch_up(self, state: "Eagle3State") -> None:
+        if state.pending_ids:
+            ids = torch.cat(state.pending_ids)[None]  # [1, n]
+            hidden = torch.cat(state.pending_hidden)[None]  # [1, n, 3H]
+            state.pending_ids.clear()
+            state.pending_hidden.clear()
+            self.drafter.extend(state.cache, ids.to(self.drafter.lm_head.weight.device), hidden)
+
+
+def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
+    """The drafter's `should_expand(tree, frontier [F])` hook from a core.drafting stop rule."""
+
+    def should_expand(tree: DraftTree, frontier: torch.Tensor) -> bool:
+        num_forwards = int(tree.depth[0, frontier].max()) - 1  # a depth-d frontier took d - 1 forwards
+        return not bool(rule(tree, frontier[None], num_forwards)[0])
+
+    return should_expand
+
+
+@dataclass
+class Eagle3State:
+    """Per-request drafter state: the drafter cache plus plain steps not yet fed to it."""
+
+    cache: Any  # models.eagle3.Eagle3Cache
+    pending_ids: list[torch.Tensor] = field(default_factory=list)  # [1] bonus token of each deferred plain step
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)  # [1, 3H] target capture hidden at its root
+    node_values: Callable[[DraftTree], torch.Tensor] | None = None  # the request's node values, for the stop rule
 
 
 class NgramSource:
@@ -74,3 +121,6 @@ class NgramSource:
 
     def commit(self, state, result: VerifyResult, verify: TargetOutput) -> None:
         return None
+
+    def defer(self, state, result: VerifyResult, verify: TargetOutput) -> None:
+        return None  # prompt lookup reads the context: nothing to catch up

@@ -18,14 +18,15 @@ import torch
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
-from ..core.policies import Selection, SelectionPolicy
+from ..core.policies import ArPolicy, Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
-from .drafters import Draft, NoDraft
+from .drafters import Draft, Eagle3State, NoDraft
+from .guard import Guard, GuardState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -54,7 +55,7 @@ class SpecEngine:
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
                  predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
-                 placement: ExpertPlacement | None = None):
+                 placement: ExpertPlacement | None = None, guard: Guard | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
@@ -63,6 +64,7 @@ class SpecEngine:
         self.selector = selector  # optional device op replacing policy.select (same contract)
         self.values = values  # node values for the cost-aware policies (None = raw path scores)
         self.placement = placement  # expert parallelism: which rank holds each expert (stats per rank)
+        self.guard = guard if policy.drafts else None  # speculate-or-not before each step (guard.py)
 
     # ------------------------------------------------------------------ public
     def run(self, request: Request) -> Iterator[list[int]]:
@@ -80,9 +82,12 @@ class SpecEngine:
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
+        guard = self.guard.start(request.sampling.temperature == 0) if self.guard is not None else None
+        if values is not None and isinstance(state, Eagle3State) and self.values.name != "head":
+            state.node_values = lambda tree: values.values(tree)  # the drafting stop rule ranks on the same values
         while True:
             before = len(request.output_ids)
-            done = self._step(request, cache, state, values)
+            done = self._step(request, cache, state, values, guard)
             yield request.output_ids[before:]
             if done:
                 return
@@ -95,27 +100,30 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, state, values: RequestValues | None = None) -> bool:
+    def _step(self, request: Request, cache, state, values: RequestValues | None = None,
+              guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
         root = context[-1]
         device = self.target.device
+        speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
+        source = self.draft_source if speculate else NoDraft()
 
         t0 = time.perf_counter()
-        draft = self.draft_source.draft(state, context, device)
+        draft = source.draft(state, context, device)
         remaining = request.max_tokens - len(request.output_ids)
         tree = limit_depth(draft.tree, remaining - 1)  # deeper nodes could never be emitted
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        experts, root_bits = self._predict(context, tree, draft, cache)
+        experts, root_bits = self._predict(context, tree, draft, cache) if speculate else (None, None)
         t_pred = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
+        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target and speculate else None
         # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
-        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
-        selection = self._select(valued, experts, root_bits, target_scores)
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None and speculate else tree
+        selection = self._select(valued, experts, root_bits, target_scores) if speculate else _PLAIN.select(tree)
         layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
         t_select = time.perf_counter() - t0
 
@@ -125,7 +133,7 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
-        if values is not None:  # the step's own outcome updates the request's value model (no extra forward)
+        if values is not None and speculate:  # the step's own outcome updates the request's value model (no extra forward)
             t0 = time.perf_counter()
             values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
             t_select += time.perf_counter() - t0
@@ -133,7 +141,10 @@ class SpecEngine:
         self.target.commit(cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.draft_source.commit(state, result, out)  # a drafter forward over the committed tokens
+        if speculate:
+            self.draft_source.commit(state, result, out)  # a drafter forward over the committed tokens
+        else:
+            self.draft_source.defer(state, result, out)  # caught up in one forward when drafting resumes
         t_draft += time.perf_counter() - t0
 
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
@@ -144,8 +155,10 @@ class SpecEngine:
             committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
             target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
-            predictor_hits=hits, predictor_total=checked, **_per_rank_stats(out, self.placement),
+            predictor_hits=hits, predictor_total=checked, speculated=speculate, **_per_rank_stats(out, self.placement),
         ))
+        if guard is not None:
+            guard.observe(speculate, len(emitted), request.steps[-1].step_ms / 1e3, int(layout.num_nodes[0]))
         return done
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
@@ -186,6 +199,9 @@ class SpecEngine:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
         return request.finish_reason is not None
+
+
+_PLAIN = ArPolicy()  # the selection of a plain step: the root alone
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:

@@ -5,10 +5,22 @@
 C(k), k = 0..K (K = the tree's max_draft_tokens), is the median wall time of a whole
 speculative iteration (draft, select, verify, commit) through the real engine, with
 the selection forced to the top-k draft nodes; k values are interleaved across
-rounds. The same timed steps give (k, U, seconds) samples, U = unique (layer,
-expert) pairs the verify forward woke (root included), for ExpertCostModel.fit.
-The stored C(k) is the pool-adjacent-violators (non-decreasing) fit of the
-medians; the raw medians, spreads (IQR), mean U and all samples are kept beside it.
+rounds, plain steps (no drafting) among them. The same timed steps give (k, U,
+seconds) samples, U = unique (layer, expert) pairs the verify forward woke (root
+included), for ExpertCostModel.fit. One drafter forward is timed apart. Samples
+outside the Tukey fences of their k are dropped before the medians (load spikes).
+The stored C(k) is the pool-adjacent-violators (non-decreasing) fit of the medians;
+the raw medians, spreads (IQR), mean U, all samples and the load average are kept.
+
+Noise is checked against what the profile must rank: when the typical standard error
+of a C(k) exceeds a quarter of C(K) - C(0) (or of C(0) - plain step) the profile is
+refused (exit 2, nothing written; `--allow-noisy` writes it anyway, labelled); above
+a tenth it is written with a loud warning.
+
+Without `--out` the profile goes beside the model, except for models shipped inside
+the package (moespec-tiny): their assets are never written by a default; the profile
+then goes to ./<model>.cost_profile.json (use it with --cost-profile, or pass --out
+explicitly to replace the shipped one).
 
 Expert parallelism: `mpirun -n N moespec profile --ep N ...` profiles the N-rank engine
 and fits C(k, U_max), U_max = each MoE layer's busiest rank summed over layers
@@ -20,15 +32,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .measure import (CostCurve, ForcedBudget, StepDriver, StepSample, monotone, run_interleaved, summarize,
-                      trim_outliers)
+from .measure import (PLAIN, CostCurve, ForcedBudget, ForcedGuard, NoiseReport, StepDriver, StepSample, assess_noise,
+                      monotone, run_interleaved, summarize, time_draft_forward, trim_outliers, trim_values)
 
 __all__ = ["ProfileResult", "main", "profile_model"]
 
@@ -39,6 +53,7 @@ class ProfileResult:
     curve: CostCurve
     samples: list[StepSample]
     path: Path | None
+    noise: NoiseReport | None = None
 
 
 def default_prompts(num: int = 3) -> list[str]:
@@ -50,9 +65,10 @@ def default_prompts(num: int = 3) -> list[str]:
 
 
 def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, tree=None, device: str = "cpu",
-                  dtype: str = "float32", repeats: int = 20, warmup_rounds: int = 2, prompts: list[str] | None = None,
-                  out: str | Path | None = None, seed: int = 0, show_progress: bool = True, ep=None) -> ProfileResult:
-    """Measure, fit and save a cost profile (returns what was written)."""
+                  dtype: str = "float32", repeats: int = 40, warmup_rounds: int = 2, prompts: list[str] | None = None,
+                  out: str | Path | None = None, seed: int = 0, show_progress: bool = True,
+                  allow_noisy: bool = False, ep=None) -> ProfileResult:
+    """Measure, fit and save a cost profile (returns what was written; ValueError if too noisy)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -64,6 +80,9 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     tree = tree or TreeConfig()
     if repeats < 3:
         raise ValueError(f"--repeats must be >= 3 for a median and a spread, got {repeats}")
+    from ..resolve import resolve_model
+
+    path = output_path(resolve_model(model, draft_model).cost_profile, out)
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
               policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
     max_k = tree.max_draft_tokens
@@ -73,12 +92,19 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
            for p in (prompts or default_prompts())]
     policy = ForcedBudget(max_k)
     llm.engine.policy = policy  # the engine's step path, with the selection forced to top-k
+    llm.engine.guard = ForcedGuard(policy)  # ... and plain steps (k = PLAIN) through its speculate-or-not path
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     driver = StepDriver(llm.engine, lambda p: llm.make_request(p, params), ids, min_remaining=tree.steps + 2)
-    ks = list(range(max_k + 1))
+    ks = [PLAIN] + list(range(max_k + 1))
     total = (repeats + warmup_rounds) * len(ks)
-    with tqdm(total=total, desc=f"profile C(k), k=0..{max_k}", disable=not show_progress) as bar:
+    load_before = os.getloadavg()
+    with tqdm(total=total, desc=f"profile C(k), k=0..{max_k} and a plain step", disable=not show_progress) as bar:
         samples = run_interleaved(driver, policy, ks, repeats, warmup_rounds, len(llm.target.moe_layers), seed, bar)
+    draft_forward = _draft_forward(llm, ids, tree, repeats)
+    load_after = os.getloadavg()
+    plain = trim_values(s.seconds for s in samples if s.verified_tokens == PLAIN)
+    plain_s = float(np.median(plain))
+    samples = [s for s in samples if s.verified_tokens != PLAIN]
     curve = summarize(samples, max_k)
     fit_on = trim_outliers(samples)
     expert_model = ExpertCostModel.fit(np.array([s.verified_tokens for s in fit_on]),
@@ -87,18 +113,63 @@ def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, t
     method = (f"engine step (draft+select+verify+commit), top-k forced, k=0..{max_k} interleaved in random order; "
               f"median of {repeats} rounds after {warmup_rounds} warm-up rounds, non-decreasing (PAV) fit of the "
               f"medians; spread = IQR; {len(ids)} prompts, greedy; C(k, U) least squares over {len(fit_on)} of "
-              f"{len(samples)} steps (Tukey-fence outliers per k dropped); "
-              f"torch threads {torch.get_num_threads()}"
+              f"{len(samples)} steps (Tukey-fence outliers per k dropped); plain step = median of {len(plain)} "
+              f"interleaved plain steps; drafter forward = median of {repeats} (steps - 1 step drafts) / "
+              f"(steps - 1); torch threads {torch.get_num_threads()}"
               + (f"; expert parallel over {ep.group.world_size} ranks, U = U_max (busiest rank per layer)" if ep else ""))
-    table = CostTable(monotone(curve.median_s), model_id=llm.paths.model_id, device=device_name(llm.device),
+    costs = monotone(curve.median_s)
+    noise = assess_noise(curve, costs, plain_s)
+    if noise.verdict == "unusable" and not allow_noisy:
+        raise ValueError(f"profile refused, nothing written: {noise.message()}; the machine is too busy "
+                         f"(load average {load_after[0]:.1f}): rerun when it is quieter, with more --repeats, or "
+                         "pass --allow-noisy")
+    if noise.verdict != "ok":
+        method += f"; WARNING {noise.message()}"
+    table = CostTable(costs, model_id=llm.paths.model_id, device=device_name(llm.device),
                       dtype=dtype, tree=tree.as_tuple(), method=method, date=dt.datetime.now().isoformat(timespec="seconds"),
-                      spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model)
-    path = Path(out) if out is not None else llm.paths.cost_profile
-    save_profile(table, curve, samples, path)
-    return ProfileResult(table, curve, samples, path)
+                      spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model,
+                      plain_step=plain_s, draft_forward=draft_forward,
+                      load_average=tuple(round(x, 2) for x in load_before + load_after))
+    save_profile(table, curve, samples, path, noise)
+    return ProfileResult(table, curve, samples, path, noise)
 
 
-def save_profile(table: CostTable, curve: CostCurve, samples: list[StepSample], path: Path) -> Path:
+def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | None:
+    """One drafter forward (seconds) on live drafter caches of the profiling prompts; None without EAGLE-3."""
+    import torch
+
+    from ..engine.drafters import Eagle3Source
+    from .measure import time_draft_forward
+
+    source = llm.engine.draft_source
+    if not isinstance(source, Eagle3Source) or tree.steps < 2:
+        return None
+    caches = []
+    for p in ids:
+        prompt = torch.tensor([p], dtype=torch.int64, device=llm.target.device)
+        prefill = llm.target.prefill(llm.target.new_cache(), prompt)
+        root = int(prefill.logits[0, -1].argmax())
+        caches.append(source.start(prompt, prefill, root).cache)
+    median, _ = time_draft_forward(source.drafter, caches, tree.steps, tree.topk, repeats)
+    return max(median, 1e-7)
+
+
+def output_path(model_profile: Path, out: str | Path | None) -> Path:
+    """Where the profile goes: --out, else beside the model unless the model ships inside the package."""
+    from ..assets import TINY_DIR
+
+    if out is not None:
+        path = Path(out)
+        if path.is_dir():
+            raise ValueError(f"--out {path} is a directory; give a file path such as {path / 'cost_profile.json'}")
+        return path
+    if model_profile.resolve().is_relative_to(TINY_DIR.resolve().parent):
+        return Path.cwd() / f"{TINY_DIR.name}.cost_profile.json"  # shipped assets are never written by a default
+    return model_profile
+
+
+def save_profile(table: CostTable, curve: CostCurve, samples: list[StepSample], path: Path,
+                 noise: NoiseReport | None = None) -> Path:
     """CostTable JSON plus the raw measurements (extra keys CostTable.load ignores); atomic write."""
     data = table.to_json()
     data["measured"] = {
@@ -107,11 +178,27 @@ def save_profile(table: CostTable, curve: CostCurve, samples: list[StepSample], 
         "samples": {"k": [s.verified_tokens for s in samples], "unique_experts": [s.unique_experts for s in samples],
                     "seconds": [round(s.seconds, 7) for s in samples]},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    if noise is not None:
+        data["noise"] = {"median_se_s": noise.median_se_s, "span_s": noise.span_s, "plain_gap_s": noise.plain_gap_s,
+                         "ratio": noise.ratio, "verdict": noise.verdict}
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
     return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a unique temporary file in the same directory, then rename: readers see the old file
+    or the new one, never half of one, and a failure leaves no temporary behind."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def format_table(result: ProfileResult) -> str:
@@ -127,6 +214,14 @@ def format_table(result: ProfileResult) -> str:
     if m is not None:
         lines.append(f"C(k, U) = {m.c0 * 1e3:.3f} ms + {m.c_tok * 1e3:.4f} ms * k + {m.c_exp * 1e3:.4f} ms * U "
                      f"(rms residual {m.residual_rms * 1e3:.3f} ms, {m.num_samples} steps)")
+    if t.plain_step is not None:
+        lines.append(f"plain step {t.plain_step * 1e3:.2f} ms")
+    if t.draft_forward is not None:
+        lines.append(f"one drafter forward {t.draft_forward * 1e3:.2f} ms")
+    if t.load_average is not None:
+        lines.append(f"load average {t.load_average[0]:.2f} before, {t.load_average[3]:.2f} after")
+    if result.noise is not None:
+        lines.append(("" if result.noise.verdict == "ok" else "WARNING: ") + result.noise.message())
     lines.append(f"wrote {result.path}")
     return "\n".join(lines)
 
@@ -136,10 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny'")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens (default 4,8,32)")
-    p.add_argument("--out", default=None, help="output path (default: cost_profile.json beside the model)")
+    p.add_argument("--out", default=None, help="output file (default: cost_profile.json beside the model; for the "
+                   "shipped moespec-tiny ./moespec-tiny.cost_profile.json, never the shipped asset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=20, help="timed rounds over all k (default 20)")
+    p.add_argument("--repeats", type=int, default=40, help="timed rounds over all k (default 40)")
+    p.add_argument("--allow-noisy", action="store_true", help="write a profile whose noise exceeds a quarter of "
+                   "the differences it must rank (labelled in the file) instead of refusing")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up rounds (default 2)")
     p.add_argument("--prompts", nargs="+", default=None, help="prompt texts (default: one per bundled dataset)")
     p.add_argument("--seed", type=int, default=0, help="seed of the k interleaving order")
@@ -168,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(ep=None) -> int:
         result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
-                               args.repeats, args.warmup, args.prompts, args.out, args.seed, ep=ep)
+                               args.repeats, args.warmup, args.prompts, args.out, args.seed,
+                               allow_noisy=args.allow_noisy, ep=ep)
         print(format_table(result))
+        if result.noise is not None and result.noise.verdict != "ok":
+            print(f"moespec profile: WARNING: {result.noise.message()}", file=sys.stderr)
         return 0
 
     try:

@@ -1,0 +1,230 @@
+"""The speculate-or-not rule (engine/guard.py) and the drafting stop rule inside the engine:
+decisions on synthetic timings, and losslessness when steps switch between plain and speculative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.core import CostTable, ExpertCostModel
+from trtllm_moespec.engine.guard import Guard, GuardConfig
+
+PROMPT = [5, 17, 33, 2, 9, 100, 4]
+
+
+def _feed(state, speculated, tokens, seconds):
+    state.observe(speculated, tokens, seconds)
+
+
+def test_guard_falls_back_while_speculation_loses_and_probes():
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8))
+    s = guard.start()
+    assert s.speculate()  # nothing measured: try speculation
+    _feed(s, True, 2, 0.040)  # 50 tok/s
+    assert not s.speculate()  # plain cost unknown: measure one plain step
+    _feed(s, False, 1, 0.010)  # 100 tok/s
+    decisions = []
+    for _ in range(12):
+        d = s.speculate()
+        decisions.append(d)
+        _feed(s, d, 2 if d else 1, 0.040 if d else 0.010)  # probes keep losing
+    # plain, plain, probe (interval 2 -> 4), 4 plain, probe (-> 8), ...
+    assert decisions[:8] == [False, True, False, False, False, False, True, False]
+    assert s.probe_every == 8 and s.num_probes == 2
+    # The next request starts from what this one measured: plain at once, probes at the learned interval.
+    s2 = guard.start()
+    assert not s2.speculate() and s2.probe_every == 8
+    s3 = guard.start(greedy=False)  # sampling accepts differently: its own memory, so it measures afresh
+    assert s3.speculate() and s3.probe_every == 2
+
+
+def test_guard_reenables_when_text_becomes_predictable():
+    s = Guard(GuardConfig(probe_every=2)).start()
+    _feed(s, True, 1, 0.040)
+    _feed(s, False, 1, 0.010)
+    assert not s.speculate()
+    _feed(s, False, 1, 0.010)
+    assert s.speculate() and s.probing  # probe
+    _feed(s, True, 9, 0.040)  # the text became predictable: 225 tok/s
+    assert s.speculate() and not s.probing  # speculation pays again: no longer a probe
+    assert s.probe_every == 2
+
+
+def test_measured_guard_measures_plain_steps_itself_and_refreshes_them():
+    # The profile claims a 500 ms plain step; the measured guard does not trust it and measures one.
+    s = Guard(GuardConfig(refresh_every=3), cost_table=(0.03,) * 9, plain_step_s=0.5).start()
+    assert s.speculate()
+    _feed(s, True, 3, 0.030)
+    assert not s.speculate()  # plain cost unknown to the guard: measure it
+    _feed(s, False, 1, 0.020)  # 50 tok/s plain vs 100 tok/s speculative
+    decisions = []
+    for _ in range(8):
+        d = s.speculate()
+        decisions.append(d)
+        _feed(s, d, 3 if d else 1, 0.030 if d else 0.020)
+    assert decisions == [True, True, True, False, True, True, True, False]  # a plain re-measure every 3 spec steps
+
+
+def test_profiled_rule_uses_the_cost_table_not_wall_time():
+    table = tuple(0.030 + 0.001 * k for k in range(9))
+    guard = Guard(GuardConfig(measured=False), cost_table=table, plain_step_s=0.010)
+    s = guard.start()
+    assert s.speculate()
+    s.observe(True, 4, seconds=99.0, verified_tokens=4)  # wall time ignored: C(4) = 34 ms, 4 tokens = 118/s
+    assert s.speculate()
+    s.observe(True, 1, seconds=0.0001, verified_tokens=8)
+    s.observe(True, 1, seconds=0.0001, verified_tokens=8)
+    s.observe(True, 1, seconds=0.0001, verified_tokens=8)
+    assert not s.speculate()  # ~2 tokens per 37 ms < 100 tok/s plain
+    with pytest.raises(ValueError, match="plain-step"):
+        Guard(GuardConfig(measured=False), cost_table=table)
+    with pytest.raises(ValueError, match="probe_every"):
+        GuardConfig(probe_every=0)
+
+
+class ScriptedGuard:
+    """Speculate on a fixed pattern (cycled): exercises plain <-> speculative switches deterministically."""
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+
+    def start(self, greedy=True):
+        return _Scripted(self.pattern)
+
+
+class _Scripted:
+    def __init__(self, pattern):
+        self.pattern, self.i = pattern, 0
+
+    def speculate(self) -> bool:
+        d = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return d
+
+    def observe(self, *args) -> None:
+        pass
+
+
+PATTERN = [False, False, True, False, True, True, False, False, False, True]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    out = {}
+    for arch, (target, _) in checkpoints.items():
+        kw = {"attn_implementation": "eager"} if arch == "gpt_oss" else {}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(target), **kw)
+        ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out[arch] = ids[0, len(PROMPT):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["evict", "joint"])
+def test_switching_plain_and_speculative_steps_is_exact(checkpoints, reference, arch, policy):
+    target, draft = checkpoints[arch]
+    predictor = "oracle" if policy == "joint" else None
+    llm = LLM(str(target), draft_model=str(draft), policy=policy, predictor=predictor)
+    llm.engine.guard = ScriptedGuard(PATTERN)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.token_ids == reference[arch]
+    flags = [s.speculated for s in out.steps]
+    assert flags[: len(PATTERN)] == PATTERN[: len(flags)]
+    assert all(s.verified_tokens == 0 for s in out.steps if not s.speculated)
+
+
+def test_deferred_drafter_catch_up_equals_step_by_step(checkpoints):
+    """After plain steps the drafter extends by all skipped tokens in one forward: its proposal for
+    the next root equals that of a drafter fed every token one step at a time."""
+    target, draft = checkpoints["qwen3_moe"]
+    llm = LLM(str(target), draft_model=str(draft), policy="evict", guard="off")
+    source = llm.engine.draft_source
+    seen = {}
+    original = source.drafter.draft_tree
+
+    def spy(cache, *a, **kw):
+        seen.setdefault(cache.num_tokens, cache.last_logits.clone())
+        return original(cache, *a, **kw)
+
+    source.drafter.draft_tree = spy
+    llm.engine.guard = ScriptedGuard([True] * 3 + [False] * 4 + [True] * 20)
+    deferred = llm.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    deferred_seen = dict(seen)
+    seen.clear()
+    llm.engine.guard = None
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert deferred.token_ids == plain.token_ids
+    common = sorted(set(seen) & set(deferred_seen))
+    assert len(common) >= 3
+    for n in common:
+        torch.testing.assert_close(deferred_seen[n], seen[n], rtol=1e-4, atol=1e-5)
+
+
+def test_stop_rule_cuts_drafting_and_stays_exact(checkpoints, reference):
+    target, draft = checkpoints["qwen3_moe"]
+    # One drafter forward costs a full second: never worth it, so every tree stops at depth 1.
+    profile = CostTable(tuple(0.010 + 0.0004 * k for k in range(33)), model_id="qwen3_moe", device="cpu",
+                        dtype="float32", tree=(4, 8, 32), expert_model=ExpertCostModel(0.010, 0.0002, 0.0001),
+                        plain_step=0.004, draft_forward=1.0)
+    llm = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off")
+    assert llm.engine.draft_source.stop_rule is not None
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.token_ids == reference["qwen3_moe"]
+    assert max(out.stats.acceptance_lengths) <= 2  # depth-1 trees: at most one accepted node + bonus
+    off = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off", draft_stop=False)
+    assert off.engine.draft_source.stop_rule is None
+    assert LLM(str(target), draft_model=str(draft), policy="eagle3").engine.guard is None  # the fixed baseline stays fixed
+    with pytest.raises(ValueError, match="guard must be one of"):
+        LLM(str(target), draft_model=str(draft), policy="evict", guard="sometimes")
+
+
+TOP_K = 2
+
+
+@torch.no_grad()
+def _exact_three(target_dir) -> dict[tuple[int, ...], float]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
+
+    def probs(ids):
+        logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        kth = logits.topk(TOP_K).values[-1]
+        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
+
+    out = {}
+    p1 = probs(PROMPT)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(PROMPT + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs(PROMPT + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                out[a, b, c] = float(p1[a] * p2[b] * p3[c])
+    return out
+
+
+def test_sampling_distribution_with_plain_and_speculative_steps(checkpoints):
+    """Invariant 2 with the switch: step 1 plain (drafter deferred), step 2 speculative (catch-up, then a tree)."""
+    target, draft = checkpoints["qwen3_moe"]
+    exact = _exact_three(target)
+    llm = LLM(str(target), draft_model=str(draft), policy="evict", guard="off")
+    llm.engine.guard = ScriptedGuard([False, True])
+    trials = 480
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(trials):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=1.0, top_k=TOP_K, seed=seed,
+                                                    ignore_eos=True))[0]
+        key = tuple(out.token_ids)
+        assert key in exact, f"emitted {key}, which has zero probability under the target"
+        counts[key] = counts.get(key, 0) + 1
+    cells = sorted(exact)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    expected = np.array([exact[c] for c in cells]) * trials
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    # 99.9% quantile of chi-square with 8 degrees of freedom (at most 9 cells) is 26.1.
+    assert stat < 26.1, (stat, counts, exact)

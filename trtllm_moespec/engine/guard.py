@@ -1,0 +1,163 @@
+"""Speculate or not, per step: k = 0 before drafting, and the goodput guard.
+
+Before each step the engine asks the request's `GuardState` whether to speculate.
+The answer is `core.drafting.speculation_pays` on running estimates:
+
+- tokens a speculative step commits (EWMA over this request's speculative steps:
+  realized acceptance is the best estimate of the selected nodes' value, at T=0 and T>0);
+- seconds of a speculative step and of a plain step: with `measured=True` (the goodput
+  guard) the wall time of this request's own steps (a profile's plain-step time is not
+  trusted: it is measured, first after one speculative step, then again every
+  `refresh_every` speculative steps, since the machine's load changes), else the
+  profiled costs (`C(k)` of the verified size, and the profile's plain step): the k = 0
+  rule alone.
+
+While speculation loses the request decodes plainly (no drafter forward: the drafter
+catches up on the skipped tokens in one forward when drafting resumes) and probes a
+speculative step every `probe_every` plain steps; a probe that still loses doubles the
+interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
+become predictable. Estimates carry over from one request to the next through the
+engine's `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently),
+so a new request starts from what the last ones measured.
+
+Lossless: the decision uses only past steps (their outcomes and timings), never the
+current step's random numbers; a plain step is verified by the same rule as `ar`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..core.drafting import speculation_pays
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """How the speculate-or-not decision is made."""
+
+    measured: bool = True  # goodput guard: wall time of this request's steps (False: profiled costs only)
+    probe_every: int = 8  # plain steps between speculative probes while speculation loses
+    max_probe_every: int = 64  # cap of the doubling probe interval
+    refresh_every: int = 32  # speculative steps between plain steps that re-measure the plain cost
+    weight: float = 0.25  # EWMA weight of the newest observation
+    margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
+            raise ValueError(f"probe_every must be an integer in [1, max_probe_every], got {self.probe_every!r}")
+        if not 0.0 < self.weight <= 1.0:
+            raise ValueError(f"guard weight must lie in (0, 1], got {self.weight}")
+        if not (math.isfinite(self.margin) and self.margin >= 0):
+            raise ValueError(f"guard margin must be >= 0, got {self.margin}")
+
+
+@dataclass
+class Ewma:
+    """Exponentially weighted mean; the first observation sets it."""
+
+    value: float = math.nan
+    count: int = 0
+
+    def update(self, x: float, weight: float) -> None:
+        self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
+        self.count += 1
+
+    @property
+    def known(self) -> bool:
+        return self.count > 0
+
+
+@dataclass
+class GuardMemory:
+    """What one engine's requests have measured so far (the next request's prior)."""
+
+    spec_tokens: Ewma = field(default_factory=Ewma)  # committed tokens per speculative step
+    spec_s: Ewma = field(default_factory=Ewma)  # seconds per speculative step
+    plain_s: Ewma = field(default_factory=Ewma)  # seconds per plain step
+    probe_every: int | None = None
+
+
+class Guard:
+    """Per-engine factory of per-request guard states (holds the config, costs and memory)."""
+
+    def __init__(self, config: GuardConfig = GuardConfig(), cost_table: tuple[float, ...] | None = None,
+                 plain_step_s: float | None = None):
+        if not config.measured and (cost_table is None or plain_step_s is None):
+            raise ValueError("the profiled speculate-or-not rule needs a cost table with a plain-step cost "
+                             "(re-profile with `moespec profile`)")
+        self.config, self.cost_table, self.plain_step_s = config, cost_table, plain_step_s
+        self.memories: dict[bool, GuardMemory] = {}  # keyed by greedy (T = 0) or not
+
+    def start(self, greedy: bool = True) -> "GuardState":
+        return GuardState(self, self.memories.setdefault(bool(greedy), GuardMemory()))
+
+
+class GuardState:
+    """One request's speculate-or-not decisions."""
+
+    def __init__(self, guard: Guard, memory: GuardMemory):
+        self.guard, self.config, self.memory, m = guard, guard.config, memory, memory
+        # Start from the engine's memory, weighted as one observation: this request's own steps dominate soon.
+        self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
+        self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
+        self.plain_s = Ewma(m.plain_s.value, min(m.plain_s.count, 1))
+        if not self.config.measured:  # the profiled rule: the profile's plain step, never wall time
+            self.plain_s = Ewma(guard.plain_step_s, 1)
+        self.probe_every = m.probe_every or self.config.probe_every
+        self.since_spec = 0  # plain steps since the last speculative one
+        self.since_plain = 0  # speculative steps since the last plain one
+        self.probing = False  # the pending speculative step is a probe
+        self.num_plain = 0
+        self.num_probes = 0
+
+    def pays(self) -> bool | None:
+        """Does speculation beat plain decoding on the current estimates? None while unknown."""
+        if not (self.spec_tokens.known and self.spec_s.known and self.plain_s.known):
+            return None
+        return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, self.config.margin)
+
+    def speculate(self) -> bool:
+        """Decide the next step (before any drafting)."""
+        pays = self.pays()
+        if pays is None:  # learn: speculate until measured, then one plain step if its cost is unknown
+            self.probing = False
+            return not self.spec_s.known or self.plain_s.known
+        if pays:
+            self.probing = False
+            # While speculating, now and then measure a plain step again: the machine's load changes.
+            return not (self.config.measured and self.since_plain >= self.config.refresh_every)
+        self.probing = self.since_spec >= self.probe_every
+        return self.probing
+
+    def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
+        """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs)."""
+        w, mem = self.config.weight, self.memory
+        if self.probing:
+            w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
+        if speculated:
+            cost = seconds if self.config.measured else self._profiled_spec_s(verified_tokens)
+            self.spec_tokens.update(committed_tokens, w)
+            self.spec_s.update(cost, w)
+            mem.spec_tokens.update(committed_tokens, w)
+            mem.spec_s.update(cost, w)
+            if self.probing:
+                self.num_probes += 1
+                won = bool(self.pays())
+                self.probe_every = self.config.probe_every if won else min(2 * self.probe_every,
+                                                                           self.config.max_probe_every)
+                mem.probe_every = self.probe_every
+            self.since_spec = 0
+            self.since_plain += 1
+        else:
+            cost = seconds if self.config.measured else float(self.guard.plain_step_s)
+            self.plain_s.update(cost, w)
+            mem.plain_s.update(cost, w)
+            self.since_spec += 1
+            self.since_plain = 0
+            self.num_plain += 1
+        self.probing = False
+
+    def _profiled_spec_s(self, verified_tokens: int) -> float:
+        table = self.guard.cost_table
+        return float(table[min(verified_tokens, len(table) - 1)])
