@@ -49,10 +49,6 @@ class _Active:
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
-    # Committed tokens of plain steps not yet fed to the EAGLE-3 drafter, and their target hiddens
-    # [1, 1, 3H] each: plain steps skip the drafter entirely; one extend catches it up before drafting.
-    pending_ids: list[int] = field(default_factory=list)
-    pending_hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -92,7 +88,9 @@ class BatchedEngine:
         self.guard = guard if joint_batch else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
         # Plain steps of a drafting policy defer the EAGLE-3 drafter's cache extension (see _Active).
-        self._defer_drafter = joint_batch and hasattr(getattr(engine.draft_source, "drafter", None), "extend")
+        # Plain steps skip the drafter: the draft source remembers their tokens and catches up in one
+        # forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's guard does).
+        self._defer_drafter = joint_batch and hasattr(engine.draft_source, "defer")
 
     # ------------------------------------------------------------------ admission
     @property
@@ -190,10 +188,6 @@ class BatchedEngine:
 
     # ------------------------------------------------------------------ stages
     def _draft(self, active: _Active) -> Draft:
-        if active.pending_ids:  # catch the drafter up on the tokens of plain steps, in one forward
-            ids = torch.tensor([active.pending_ids], dtype=torch.int64, device=self.target.device)
-            self.engine.draft_source.drafter.extend(active.draft_state, ids, torch.cat(active.pending_hidden, 1))
-            active.pending_ids, active.pending_hidden = [], []
         request = active.request
         context = request.prompt_ids + request.output_ids
         draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
@@ -249,8 +243,7 @@ class BatchedEngine:
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
         if draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
-            active.pending_ids.append(int(result.emitted_ids[0, 0]))
-            active.pending_hidden.append(out.hidden[:, :1])
+            engine.draft_source.defer(active.draft_state, result, out)
         else:
             engine.draft_source.commit(active.draft_state, result, out)
         t_draft = time.perf_counter() - t0
