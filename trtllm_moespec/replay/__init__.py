@@ -21,16 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..bench import _csv  # one parser for comma-separated options
+
 __all__ = ["main"]
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
-    return parse
 
 
 def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ device when it is built; per call it only runs device kernels:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -58,14 +60,15 @@ def is_graph_safe(policy: str) -> bool:
     return policy in GRAPH_SAFE_POLICIES
 
 
-class Selector:
+class Selector(ABC):
     """tree (+ expert bitsets) -> node_idx [B, budget] (-1 pad), parent-closed."""
 
     needs_experts = False
 
+    @abstractmethod
     def __call__(self, tree: DraftTree, node_bits: torch.Tensor | None = None,
                  root_bits: torch.Tensor | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        """The selected node indices of each request."""
 
 
 class TopScoreSelector(Selector):
