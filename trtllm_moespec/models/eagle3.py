@@ -255,7 +255,7 @@ class Eagle3Drafter(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = F.embedding(input_ids, self.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
         embeds = embeds.to(self.fc.weight.dtype)
         h = hidden_states.to(self.fc.weight.dtype)
         if h.shape[-1] == self.fc.in_features:
