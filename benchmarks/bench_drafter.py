@@ -5,7 +5,9 @@ Times, on the same prompt and committed cache:
 - `tree_fwd_ms`: one drafter forward over an 8-node frontier (one tree expansion);
 - `draft_ms`: a whole `draft_tree(steps, topk)` (its forwards plus the bookkeeping);
 - `bookkeeping_ms`: draft_ms minus the tree forwards it ran;
-- `step_ms`: an eagle3 decode step of a greedy generation (decode time / steps).
+- `step_ms`: an eagle3 decode step of a greedy generation (decode time / steps), split as bench_engine
+  does into the target's time, the drafter forwards' and the rest (`step_overhead_ms`);
+  `ms_per_token` = step_ms / Mat.
 
 One run measures one source tree (whatever `trtllm_moespec` imports). To compare two trees, give
 `--compare OTHER_ROOT`: runs alternate between this tree and OTHER_ROOT in fresh processes
@@ -28,7 +30,8 @@ from pathlib import Path
 import torch
 
 CONTEXT = 200  # prompt tokens: the start of the standard library's os.py
-KEYS = ("extend_ms", "tree_fwd_ms", "draft_ms", "bookkeeping_ms", "step_ms")
+KEYS = ("extend_ms", "tree_fwd_ms", "draft_ms", "bookkeeping_ms", "step_ms", "step_target_ms", "step_drafter_fwd_ms",
+        "step_overhead_ms", "ms_per_token")
 
 
 def _best_of(fn, reps: int) -> float:
@@ -52,8 +55,23 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
     ids = llm.encode([Path(os.__file__).read_text()[:4000]])[0][:CONTEXT]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
-    out = llm.generate([ids], params)[0]
-    step_ms = out.stats.decode_s * 1e3 / max(out.stats.num_steps, 1)
+    forward, fwd_s = type(drafter).forward, [0.0]
+
+    def timed_forward(*a, **k):  # the drafter forwards' share of the step (benchmark instrumentation only)
+        t0 = time.perf_counter()
+        try:
+            return forward(drafter, *a, **k)
+        finally:
+            fwd_s[0] += time.perf_counter() - t0
+
+    drafter.forward = timed_forward
+    try:
+        out = llm.generate([ids], params)[0]
+    finally:
+        del drafter.forward
+    steps_run = max(out.stats.num_steps, 1)
+    step_ms = out.stats.decode_s * 1e3 / steps_run
+    step_fwd_ms = fwd_s[0] * 1e3 / steps_run
 
     with torch.no_grad():
         prompt = torch.tensor([ids])
@@ -84,8 +102,10 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
 
         tree_fwd_ms = _best_of(tree_fwd, reps)
     return dict(extend_ms=extend_ms, tree_fwd_ms=tree_fwd_ms, draft_ms=draft_ms,
-                bookkeeping_ms=draft_ms - num_forwards * tree_fwd_ms, step_ms=step_ms,
+                bookkeeping_ms=draft_ms - num_forwards * tree_fwd_ms, step_ms=step_ms, step_target_ms=out.stats.target_ms,
+                step_drafter_fwd_ms=step_fwd_ms, step_overhead_ms=step_ms - out.stats.target_ms - step_fwd_ms,
                 mean_accepted_tokens=out.stats.mean_accepted_tokens, token_ids=out.token_ids,
+                ms_per_token=step_ms / out.stats.mean_accepted_tokens,
                 draft_vocab_size=drafter.config.draft_vocab_size)
 
 
