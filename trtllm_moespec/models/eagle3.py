@@ -335,11 +335,8 @@ class Eagle3Drafter(nn.Module):
 
     def _fused_weights(self) -> "_FusedWeights":
         """The concatenated weights, rebuilt whenever a source weight was replaced or modified in place
-        (load, .to(), training steps, prune_vocab): keyed by each tensor's storage and version counter."""
-        a, mlp, layer = self.midlayer.self_attn, self.midlayer.mlp, self.midlayer
-        sources = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, mlp.gate_proj.weight,
-                   mlp.up_proj.weight, mlp.down_proj.weight, layer.input_layernorm.weight, layer.hidden_norm.weight,
-                   layer.post_attention_layernorm.weight, self.norm.weight)
+        (load, .to(), training steps, a new module): keyed by each tensor's storage and version counter."""
+        sources = self._fused_sources()
         key = tuple((t.data_ptr(), t._version) for t in sources)
         if self._fused is None or self._fused.key != key:
             with torch.no_grad():
@@ -348,6 +345,20 @@ class Eagle3Drafter(nn.Module):
                     input_norms=torch.stack(sources[7:9]), post_attention_norm=sources[9].detach(),
                     final_norm=sources[10].detach())
         return self._fused
+
+    def _fused_sources(self) -> tuple[torch.Tensor, ...]:
+        """q, k, v, o, gate, up, down, input_layernorm, hidden_norm, post_attention_layernorm, norm weights.
+        Read through the module dicts: nn.Module attribute lookups cost more than the check itself."""
+        layer = self._modules["midlayer"]._modules
+        attn, mlp = layer["self_attn"]._modules, layer["mlp"]._modules
+
+        def weight(module: nn.Module) -> torch.Tensor:
+            return module._parameters["weight"]
+
+        return (weight(attn["q_proj"]), weight(attn["k_proj"]), weight(attn["v_proj"]), weight(attn["o_proj"]),
+                weight(mlp["gate_proj"]), weight(mlp["up_proj"]), weight(mlp["down_proj"]),
+                weight(layer["input_layernorm"]), weight(layer["hidden_norm"]), weight(layer["post_attention_layernorm"]),
+                weight(self._modules["norm"]))
 
     def _rope_signed(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin with its first half negated), each [B, T, 1, D], at position_ids [B, T]: one gather
