@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+GENERATIONS = 5  # greedy generations per process; the step parts are their medians
 CONTEXT = 200  # prompt tokens: the start of the standard library's os.py
 KEYS = ("extend_ms", "tree_fwd_ms", "draft_ms", "bookkeeping_ms", "step_ms", "step_target_ms", "step_drafter_fwd_ms",
         "step_overhead_ms", "ms_per_token")
@@ -65,13 +66,16 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
             fwd_s[0] += time.perf_counter() - t0
 
     drafter.forward = timed_forward
+    parts = []  # (step, target, drafter forwards) ms per step of each generation
     try:
-        out = llm.generate([ids], params)[0]
+        for _ in range(GENERATIONS):
+            fwd_s[0] = 0.0
+            out = llm.generate([ids], params)[0]
+            n = max(out.stats.num_steps, 1)
+            parts.append((out.stats.decode_s * 1e3 / n, out.stats.target_ms, fwd_s[0] * 1e3 / n))
     finally:
         del drafter.forward
-    steps_run = max(out.stats.num_steps, 1)
-    step_ms = out.stats.decode_s * 1e3 / steps_run
-    step_fwd_ms = fwd_s[0] * 1e3 / steps_run
+    step_ms, target_ms, step_fwd_ms = (statistics.median(p[i] for p in parts) for i in range(3))
 
     with torch.no_grad():
         prompt = torch.tensor([ids])
@@ -102,8 +106,8 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
 
         tree_fwd_ms = _best_of(tree_fwd, reps)
     return dict(extend_ms=extend_ms, tree_fwd_ms=tree_fwd_ms, draft_ms=draft_ms,
-                bookkeeping_ms=draft_ms - num_forwards * tree_fwd_ms, step_ms=step_ms, step_target_ms=out.stats.target_ms,
-                step_drafter_fwd_ms=step_fwd_ms, step_overhead_ms=step_ms - out.stats.target_ms - step_fwd_ms,
+                bookkeeping_ms=draft_ms - num_forwards * tree_fwd_ms, step_ms=step_ms, step_target_ms=target_ms,
+                step_drafter_fwd_ms=step_fwd_ms, step_overhead_ms=step_ms - target_ms - step_fwd_ms,
                 mean_accepted_tokens=out.stats.mean_accepted_tokens, token_ids=out.token_ids,
                 ms_per_token=step_ms / out.stats.mean_accepted_tokens,
                 draft_vocab_size=drafter.config.draft_vocab_size)
