@@ -53,6 +53,8 @@ def draw_uniforms(
     for b in range(batch_size):
         g = generators[b] if generators else None
         rows.append(torch.rand(num_positions + 1, generator=g, dtype=torch.float64))
+    if len(rows) == 1:
+        return rows[0][None]
     return torch.stack(rows) if rows else torch.zeros(0, num_positions + 1, dtype=torch.float64)
 
 
