@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from trtllm_moespec.core.layout import build_layout
-from trtllm_moespec.models.eagle3 import Eagle3Config, load_eagle3, write_random_drafter
+from trtllm_moespec.models.eagle3 import Eagle3Config, causal_mask, load_eagle3, write_random_drafter
 from trtllm_moespec.models.target import TargetModel
 
 from .conftest import build_hf, gpt_oss_config, qwen3_moe_config
@@ -249,3 +249,27 @@ def test_fused_inference_forward_equals_the_unfused_layer(target, drafter):
         with torch.no_grad():
             weight.copy_(saved)
     torch.testing.assert_close(both().logits, before.logits, atol=0, rtol=0)
+
+
+def test_positions_past_max_position_embeddings_extend_the_rope_table(target, drafter):
+    """A long request reaches positions past max_position_embeddings after the rotary table was built:
+    the table grows (it used to raise IndexError), and rotary's relative form holds there: the same
+    tokens at positions shifted past the limit give the same outputs."""
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(9))
+    hidden = target.prefill(target.new_cache(), ids).hidden
+    far = drafter.config.max_position_embeddings + 37
+    with torch.no_grad():
+        near_out = drafter(hidden, input_ids=ids)  # positions 0..5: the table covers max_position_embeddings
+        far_out = drafter(hidden, input_ids=ids, position_ids=torch.arange(far, far + 6)[None])
+    torch.testing.assert_close(far_out.logits, near_out.logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(far_out.keys, near_out.keys)  # the keys themselves are rotated differently
+    # The cached path with default positions far..far+5 (known on the host: no position check); the
+    # unwritten prefix slots are masked out, so only the 6 tokens attend to each other again.
+    kv = drafter.new_cache().reserve(far + 6, drafter.midlayer.self_attn.num_kv_heads, drafter.config.head_dim,
+                                     hidden.dtype, hidden.device)
+    hide = torch.full((6, far), torch.finfo(hidden.dtype).min)
+    mask = torch.cat([hide, causal_mask(0, 6, hidden.dtype, hidden.device)[0, 0]], dim=1)[None, None]
+    with torch.no_grad():
+        cached = drafter(hidden, input_ids=ids, attention_mask=mask, cache_kv=kv, cache_start=far)
+    torch.testing.assert_close(cached.logits, near_out.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cached.keys, far_out.keys, atol=0, rtol=0)

@@ -265,16 +265,17 @@ class Eagle3Drafter(nn.Module):
                              f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
         B, T, _ = h.shape
         S = cache_start if cache_kv is not None else (0 if past_kv is None else past_kv[0].shape[2])
+        rope_bound = None  # 1 + the largest position when known on the host (see _rope_cos_sin)
         if position_ids is None:
-            position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
+            position_ids, rope_bound = torch.arange(S, S + T, device=h.device).expand(B, T), S + T
         if attention_mask is None:
             attention_mask = causal_mask(S, T, h.dtype, h.device)
         if not torch.is_grad_enabled():  # inference: fused weights (no autograd through them needed)
-            return self._forward_fused(embeds, h, position_ids, attention_mask, past_kv, cache_kv, S)
+            return self._forward_fused(embeds, h, position_ids, attention_mask, past_kv, cache_kv, S, rope_bound)
         # Functional calls on the modules' parameters: the same math, without nn.Module call overhead.
         layer, eps = self.midlayer, self.config.rms_norm_eps
         x = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), _rms(h, layer.hidden_norm.weight, eps)], dim=-1)
-        attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv, cache_kv, S)
+        attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv, cache_kv, S, rope_bound)
         h = h + attn
         mlp, y = layer.mlp, _rms(h, layer.post_attention_layernorm.weight, eps)
         h = h + F.linear(mlp.act_fn(F.linear(y, mlp.gate_proj.weight)) * F.linear(y, mlp.up_proj.weight),
@@ -282,13 +283,14 @@ class Eagle3Drafter(nn.Module):
         logits = F.linear(_rms(h, self.norm.weight, eps), self.lm_head.weight).float()
         return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
 
-    def _attention(self, x, position_ids, attention_mask, past_kv, cache_kv=None, start: int = 0):
+    def _attention(self, x, position_ids, attention_mask, past_kv, cache_kv=None, start: int = 0,
+                   rope_bound: int | None = None):
         a = self.midlayer.self_attn
         B, T, _ = x.shape
         q = F.linear(x, a.q_proj.weight).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
         k = F.linear(x, a.k_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = F.linear(x, a.v_proj.weight).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cos, sin = self._rope(x, position_ids)
+        cos, sin = self._rope(x, position_ids, rope_bound)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return self._attend(q, k, v, attention_mask, past_kv, cache_kv, start)
@@ -310,7 +312,8 @@ class Eagle3Drafter(nn.Module):
         out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
         return out, k, v
 
-    def _forward_fused(self, embeds, h, position_ids, attention_mask, past_kv, cache_kv, start: int) -> Eagle3Output:
+    def _forward_fused(self, embeds, h, position_ids, attention_mask, past_kv, cache_kv, start: int,
+                       rope_bound: int | None = None) -> Eagle3Output:
         """The layer with q/k/v in one matmul, gate/up in one matmul, both input norms in one and rotary
         on q and k together (same math as the unfused path; per-op overhead dominates at these sizes)."""
         fused, eps = self._fused_weights(), self.config.rms_norm_eps
@@ -319,7 +322,7 @@ class Eagle3Drafter(nn.Module):
         x = _rms(torch.stack([embeds, h], dim=2), fused.input_norms, eps).view(B, T, 2 * H)
         heads = a.num_heads + 2 * a.num_kv_heads
         qkv = F.linear(x, fused.qkv).view(B, T, heads, a.head_dim)
-        cos, sin_signed = self._rope_signed(qkv, position_ids)
+        cos, sin_signed = self._rope_signed(qkv, position_ids, rope_bound)
         qk = qkv[:, :, :a.num_heads + a.num_kv_heads]
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated), bit for bit
         qk = qk * cos + qk.roll(a.head_dim // 2, dims=-1) * sin_signed
@@ -360,10 +363,11 @@ class Eagle3Drafter(nn.Module):
                 weight(layer["input_layernorm"]), weight(layer["hidden_norm"]), weight(layer["post_attention_layernorm"]),
                 weight(self._modules["norm"]))
 
-    def _rope_signed(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_signed(self, x: torch.Tensor, position_ids: torch.Tensor,
+                     bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin with its first half negated), each [B, T, 1, D], at position_ids [B, T]: one gather
         from a [positions, 2, 1, D] table made from `_rope`'s (rebuilt when that one grows or changes)."""
-        source = self._rope_cos_sin(x, position_ids)
+        source = self._rope_cos_sin(x, position_ids, bound)
         table = self._rope_signed_table
         if table is None or table[0] is not source[0]:
             cos, sin = source
@@ -373,20 +377,23 @@ class Eagle3Drafter(nn.Module):
         cs = table[1][position_ids]  # [B, T, 2, 1, D]
         return cs[:, :, 0], cs[:, :, 1]
 
-    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, D] gathered from a table the rotary module filled once (same float ops
         as calling it per forward; the table grows when a position past it appears)."""
-        cos, sin = self._rope_cos_sin(x, position_ids)
+        cos, sin = self._rope_cos_sin(x, position_ids, bound)
         return cos[position_ids][:, None], sin[position_ids][:, None]
 
-    def _rope_cos_sin(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables [positions, D] in x's dtype/device, covering position_ids."""
+    def _rope_cos_sin(self, x: torch.Tensor, position_ids: torch.Tensor,
+                      bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables [positions, D] in x's dtype/device, covering position_ids (all < bound
+        when bound is given)."""
         table = self._rope_table
         covered = table is not None and table[0].dtype == x.dtype and table[0].device == x.device
-        # Once the table covers max_position_embeddings no position is checked (no host sync per forward).
-        need = 0 if covered and table[0].shape[0] >= self.config.max_position_embeddings else int(position_ids.max()) + 1
+        # Positions may pass max_position_embeddings (a long request); the table then grows, doubling.
+        # `bound` (1 + the largest position, when the caller knows it on the host) avoids a device sync.
+        need = bound if bound is not None else int(position_ids.max()) + 1
         if not covered or table[0].shape[0] < need:
-            length = max(need, self.config.max_position_embeddings)
+            length = max(need, self.config.max_position_embeddings, 2 * table[0].shape[0] if covered else 0)
             cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
             table = self._rope_table = (cos[0], sin[0])
         return table
