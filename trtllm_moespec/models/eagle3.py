@@ -251,7 +251,8 @@ class Eagle3Drafter(nn.Module):
         attention_mask: additive float [B, 1, T, S+T] (default: causal). past_kv: keys/values
         [B, KVH, S, D] to attend to before this forward's own positions (not modified).
         cache_kv [2, B, KVH, capacity, D] with cache_start=S instead: the S past positions are
-        read from it and this forward's keys/values are written in place at S..S+T-1.
+        read from it and this forward's keys/values are written in place at S..S+T-1; position_ids
+        must then be < S + T (no query sits past its own key slot; tree drafting's do not).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -265,9 +266,11 @@ class Eagle3Drafter(nn.Module):
                              f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
         B, T, _ = h.shape
         S = cache_start if cache_kv is not None else (0 if past_kv is None else past_kv[0].shape[2])
-        rope_bound = None  # 1 + the largest position when known on the host (see _rope_cos_sin)
+        # 1 + the largest position when known on the host (see _rope_cos_sin): a position never passes
+        # its own key slot, so with cache_kv every position is < S + T.
+        rope_bound = S + T if position_ids is None or cache_kv is not None else None
         if position_ids is None:
-            position_ids, rope_bound = torch.arange(S, S + T, device=h.device).expand(B, T), S + T
+            position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
         if attention_mask is None:
             attention_mask = causal_mask(S, T, h.dtype, h.device)
         if not torch.is_grad_enabled():  # inference: fused weights (no autograd through them needed)
