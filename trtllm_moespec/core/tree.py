@@ -214,6 +214,12 @@ class TreeBuffer:
         self.log_scores = torch.full((B, N), _NEG_INF, dtype=torch.float32, device=device)
         self.valid = torch.zeros(B, N, dtype=torch.bool, device=device)
         self.num_nodes = 0
+        # On CPU the integer bookkeeping (parents, depth, frontier order) runs on numpy views of the same
+        # storage: each torch op costs ~5-40 us at these sizes, a numpy one ~1 us. The float math (log of
+        # the probabilities, the score sums) is the same IEEE float32 arithmetic either way.
+        self._host = None if self.token_ids.device.type != "cpu" else _HostViews(
+            self.token_ids.numpy(), self.parents.numpy(), self.depth.numpy(), self.draft_probs.numpy(),
+            self.log_scores.numpy(), self.valid.numpy(), np.arange(B)[:, None])
 
     def tree(self) -> DraftTree:
         n = self.num_nodes
@@ -248,6 +254,8 @@ class TreeBuffer:
         [B, topk]. dense=True: the caller guarantees no padded frontier entry (skips the masking)."""
         B, F, C = child_ids.shape
         n, m = self._take(F * C)
+        if self._host is not None:
+            return self._grow_host(frontier, child_ids, child_probs, topk, dense, n, m)
         f_safe = frontier if dense else frontier.clamp(min=0)
         child_log = self.log_scores.gather(1, f_safe)[:, :, None] + child_probs.float().clamp(min=0.0, max=1.0).log()
         parent_depth = self.depth.gather(1, f_safe)
@@ -270,6 +278,54 @@ class TreeBuffer:
             self.valid[:, n:m].view(B, F, C).copy_(frontier_valid[:, :, None])
         self.num_nodes = m
         return _next_frontier(child_log.reshape(B, F * C), n, topk)
+
+
+    def _grow_host(self, frontier: torch.Tensor, child_ids: torch.Tensor, child_probs: torch.Tensor, topk: int,
+                   dense: bool, n: int, m: int) -> torch.Tensor:
+        """`grow` on numpy views (CPU): the same values, written to the same storage."""
+        h, (B, F, C) = self._host, child_ids.shape
+        fr = frontier.numpy()
+        f_safe = fr if dense else np.maximum(fr, 0)
+        child_log = h.log_scores[h.rows, f_safe][:, :, None] + child_probs.float().clamp(min=0.0, max=1.0).log().numpy()
+        parents, depth = f_safe, h.depth[h.rows, f_safe] + 1
+        if not dense:
+            frontier_valid = fr >= 0
+            child_log = np.where(frontier_valid[:, :, None], child_log, np.float32(_NEG_INF))
+            parents, depth = np.where(frontier_valid, f_safe, -1), np.where(frontier_valid, depth, 0)
+        h.token_ids[:, n:m] = child_ids.numpy().reshape(B, F * C)
+        h.parents[:, n:m] = np.repeat(parents, C, axis=1)
+        h.depth[:, n:m] = np.repeat(depth, C, axis=1)
+        h.draft_probs[:, n:m] = child_probs.float().numpy().reshape(B, F * C)
+        flat_log = child_log.reshape(B, F * C)
+        h.log_scores[:, n:m] = flat_log
+        h.valid[:, n:m] = True if dense else np.repeat(frontier_valid, C, axis=1)
+        self.num_nodes = m
+        return torch.from_numpy(_next_frontier_host(flat_log, n, topk))
+
+
+@dataclass(frozen=True)
+class _HostViews:
+    """numpy views of a CPU TreeBuffer's tensors (shared storage)."""
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    draft_probs: np.ndarray
+    log_scores: np.ndarray
+    valid: np.ndarray
+    rows: np.ndarray  # [B, 1] batch row index, for fancy indexing
+
+
+def _next_frontier_host(flat_log: np.ndarray, offset: int, topk: int) -> np.ndarray:
+    """`_next_frontier` in numpy: the same stable order of the same float32 scores, so the same nodes."""
+    B, M = flat_log.shape
+    k = min(topk, M)
+    top_pos = np.argsort(-flat_log, axis=1, kind="stable")[:, :k]
+    top_log = np.take_along_axis(flat_log, top_pos, axis=1)
+    frontier = np.where(top_log > _NEG_INF, top_pos + offset, -1).astype(np.int64)
+    if k < topk:
+        frontier = np.concatenate([frontier, np.full((B, topk - k), -1, dtype=np.int64)], axis=1)
+    return frontier
 
 
 def _next_frontier(flat_log: torch.Tensor, offset: int, topk: int) -> torch.Tensor:

@@ -403,7 +403,11 @@ class Eagle3Drafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids: d + d2t[d]."""
-        return draft_ids + self.d2t[draft_ids]
+        d2t = self._buffers["d2t"]  # a module attribute lookup costs more than the lookup itself
+        if draft_ids.device.type == "cpu" and d2t.device.type == "cpu" and draft_ids.dtype == torch.int64:
+            ids = draft_ids.numpy()  # small index arithmetic: numpy is ~10x cheaper per op than torch here
+            return torch.from_numpy(ids + d2t.numpy()[ids])
+        return draft_ids + d2t[draft_ids]
 
     @torch.no_grad()
     def prune_vocab(self, keep_target_ids: torch.Tensor) -> "Eagle3Drafter":
