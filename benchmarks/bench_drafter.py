@@ -6,14 +6,19 @@ Times, on the same prompt and committed cache:
 - `draft_ms`: a whole `draft_tree(steps, topk)` (its forwards plus the bookkeeping);
 - `bookkeeping_ms`: draft_ms minus the tree forwards it ran;
 - `step_ms`: an eagle3 decode step of a greedy generation (decode time / steps), split as bench_engine
-  does into the target's time, the drafter forwards' and the rest (`step_overhead_ms`);
+  does into the target's time, the drafter forwards' (its prefill forward excluded) and the rest
+  (`step_overhead_ms`);
   `ms_per_token` = step_ms / Mat.
 
 One run measures one source tree (whatever `trtllm_moespec` imports). To compare two trees, give
 `--compare OTHER_ROOT`: runs alternate between this tree and OTHER_ROOT in fresh processes
 (interleaved, so machine drift hits both alike) and ratios new/other are printed.
 
-    python -m benchmarks.bench_drafter [--rounds 3] [--reps 30] [--compare OTHER_ROOT] [--draft-model DIR] [--json PATH]
+    python -m benchmarks.bench_drafter [--rounds 3] [--reps 30] [--context 200] [--compare OTHER_ROOT]
+        [--draft-model DIR] [--json PATH]
+
+`--context 2000` measures drafting at long context (the drafter attends to every committed position;
+context + tokens must stay within what the model's positions allow).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 GENERATIONS = 5  # greedy generations per process; the step parts are their medians
-CONTEXT = 200  # prompt tokens: the start of the standard library's os.py
+CONTEXT = 200  # default prompt tokens: the standard library's os.py (repeated when --context asks for more)
 KEYS = ("extend_ms", "tree_fwd_ms", "draft_ms", "bookkeeping_ms", "step_ms", "step_target_ms", "step_drafter_fwd_ms",
         "step_overhead_ms", "ms_per_token")
 
@@ -45,7 +50,8 @@ def _best_of(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | None = None) -> dict:
+def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | None = None,
+            context: int = CONTEXT) -> dict:
     """The parts' times in this process (see the module docstring); draft_model: a drafter directory
     (default: moespec-tiny's shipped one)."""
     from trtllm_moespec import LLM, SamplingParams, TreeConfig
@@ -53,23 +59,28 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
     torch.set_num_threads(1)
     llm = LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(steps, topk, 32), draft_model=draft_model)
     drafter = llm.engine.draft_source.drafter
-    ids = llm.encode([Path(os.__file__).read_text()[:4000]])[0][:CONTEXT]
+    text = Path(os.__file__).read_text()
+    ids = llm.encode([text * (1 + context // 1000)])[0][:context]  # os.py is ~10k tokens; repeat if asked more
+    if len(ids) < context:
+        raise SystemExit(f"--context {context}: the prompt text has only {len(ids)} tokens")
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
-    forward, fwd_s = type(drafter).forward, [0.0]
+    forward, fwd_s, calls = type(drafter).forward, [0.0], [0]
 
     def timed_forward(*a, **k):  # the drafter forwards' share of the step (benchmark instrumentation only)
         t0 = time.perf_counter()
         try:
             return forward(drafter, *a, **k)
         finally:
-            fwd_s[0] += time.perf_counter() - t0
+            calls[0] += 1
+            if calls[0] > 1:  # a generation's first drafter forward is its prefill, not part of a step
+                fwd_s[0] += time.perf_counter() - t0
 
     drafter.forward = timed_forward
     parts = []  # (step, target, drafter forwards) ms per step of each generation
     try:
         for _ in range(GENERATIONS):
-            fwd_s[0] = 0.0
+            fwd_s[0], calls[0] = 0.0, 0
             out = llm.generate([ids], params)[0]
             n = max(out.stats.num_steps, 1)
             parts.append((out.stats.decode_s * 1e3 / n, out.stats.target_ms, fwd_s[0] * 1e3 / n))
@@ -119,7 +130,8 @@ def _run_in(root: Path, args) -> dict:
     code = ("import importlib.util, json\n"  # this file's measure(), the package from `root`
             f"spec = importlib.util.spec_from_file_location('bench_drafter', {str(Path(__file__).resolve())!r})\n"
             "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-            f"print(json.dumps(mod.measure({args.reps}, {args.tokens}, {args.steps}, {args.topk}, {draft!r})))\n")
+            f"print(json.dumps(mod.measure({args.reps}, {args.tokens}, {args.steps}, {args.topk}, {draft!r}, "
+            f"{args.context})))\n")
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(root))
     if out.returncode:
@@ -134,6 +146,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--context", type=int, default=CONTEXT, help="prompt tokens (drafting cost grows with them)")
     ap.add_argument("--compare", type=Path, default=None, help="another source root to interleave with")
     ap.add_argument("--draft-model", type=Path, default=None, help="drafter directory for both trees")
     ap.add_argument("--json", type=Path, default=None)
@@ -144,7 +157,7 @@ def main(argv=None) -> dict:
     for _ in range(args.rounds):
         for name, root in roots.items():
             runs[name].append(_run_in(root, args))
-    result = {"load_average": os.getloadavg()[0], "rounds": args.rounds, "reps": args.reps}
+    result = {"load_average": os.getloadavg()[0], "rounds": args.rounds, "reps": args.reps, "context": args.context}
     for name, rows in runs.items():
         result[name] = {k: statistics.median(r[k] for r in rows) for k in KEYS}
         result[name]["mean_accepted_tokens"] = rows[0]["mean_accepted_tokens"]
