@@ -248,7 +248,8 @@ class Eagle3Drafter(nn.Module):
         hidden_states: [B, T, 3*H_target] target features (projected by fc) or [B, T, H] the
         drafter's own pre-norm outputs. input_ids [B, T] or inputs_embeds [B, T, H]: the tokens
         paired with them. position_ids [B, T] (default: S..S+T-1 after the S past positions).
-        attention_mask: additive float [B, 1, T, S+T] (default: causal). past_kv: keys/values
+        attention_mask: additive float [B, 1, T, S+T] (default: causal; None reaches `_attend` only when
+        S == 0, where SDPA's own top-left causal mask is the same). past_kv: keys/values
         [B, KVH, S, D] to attend to before this forward's own positions (not modified).
         cache_kv [2, B, KVH, capacity, D] with cache_start=S instead: the S past positions are
         read from it and this forward's keys/values are written in place at S..S+T-1; position_ids
@@ -271,8 +272,10 @@ class Eagle3Drafter(nn.Module):
         rope_bound = S + T if position_ids is None or cache_kv is not None else None
         if position_ids is None:
             position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
-        if attention_mask is None:
+        if attention_mask is None and (S > 0 or T == 1):
             attention_mask = causal_mask(S, T, h.dtype, h.device)
+        # else (no past, several positions, e.g. a prefill): attention_mask stays None = plain causal, which
+        # SDPA applies itself, skipping the blocks above the diagonal and no [T, T] mask is built
         if not torch.is_grad_enabled():  # inference: fused weights (no autograd through them needed)
             return self._forward_fused(embeds, h, position_ids, attention_mask, past_kv, cache_kv, S, rope_bound)
         # Functional calls on the modules' parameters: the same math, without nn.Module call overhead.
@@ -300,7 +303,8 @@ class Eagle3Drafter(nn.Module):
 
     def _attend(self, q, k, v, attention_mask, past_kv, cache_kv, start: int):
         """Attention of q [B, Hq, T, D] over the past keys/values and k, v [B, KVH, T, D] (written into
-        cache_kv at start.. when given), then o_proj -> ([B, T, H], k, v)."""
+        cache_kv at start.. when given), then o_proj -> ([B, T, H], k, v). attention_mask None: causal,
+        only used with no past positions (SDPA's causal mask is aligned top-left)."""
         a = self.midlayer.self_attn
         B, _, T, _ = q.shape
         if cache_kv is not None:  # write in place, read the prefix and this forward's keys as views
@@ -310,7 +314,8 @@ class Eagle3Drafter(nn.Module):
         else:
             all_k = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)
             all_v = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=attention_mask.to(q.dtype),
+        mask = None if attention_mask is None else attention_mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, is_causal=attention_mask is None,
                                              enable_gqa=a.num_heads != a.num_kv_heads)
         out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
         return out, k, v
