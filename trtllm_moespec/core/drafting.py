@@ -78,6 +78,12 @@ def expand_pays(sorted_values: torch.Tensor, frontier_values: torch.Tensor, cost
     vals = sorted_values.detach().cpu().double().numpy()
     front = frontier_values.detach().cpu().double().numpy()
     table = cost_table.detach().cpu().double().numpy()
+    return torch.from_numpy(_expand_pays_host(vals, front, table, forwards_left, draft_forward_s))
+
+
+def _expand_pays_host(vals: np.ndarray, front: np.ndarray, table: np.ndarray, forwards_left: int,
+                      draft_forward_s: float) -> np.ndarray:
+    """`expand_pays` on float64 numpy arrays (the same shapes) -> [B] bool."""
     K = table.shape[0] - 1
     # Step cost if drafting stopped now: the forwards not run are not paid (floor: a tiny positive cost).
     now = np.maximum(table - forwards_left * draft_forward_s, 1e-9)  # [K+1]
@@ -92,7 +98,7 @@ def expand_pays(sorted_values: torch.Tensor, frontier_values: torch.Tensor, cost
     effective = np.maximum(np.round(gain / np.maximum(front.max(1, initial=0.0), 1e-12)), 1).astype(np.int64)
     k_next = np.minimum(k_star + effective, K)
     next_cost = now[k_next] + draft_forward_s
-    return torch.from_numpy(((1.0 + cu[rows, k_star] + gain) / next_cost > best_rate) & (gain > 0))
+    return ((1.0 + cu[rows, k_star] + gain) / next_cost > best_rate) & (gain > 0)
 
 
 @dataclass(frozen=True)
@@ -115,10 +121,21 @@ class DraftStopRule:
             raise ValueError(f"draft_forward_s must be positive, got {self.draft_forward_s}")
 
     def __call__(self, tree: DraftTree, frontier: torch.Tensor, num_forwards: int) -> torch.Tensor:
-        values = torch.where(tree.valid, self.values(tree), 0.0)  # [B, N]
-        sorted_values = values.sort(dim=1, descending=True).values
-        live = frontier >= 0
-        frontier_values = torch.where(live, torch.gather(values, 1, frontier.clamp(min=0)), 0.0)  # [B, F]
+        # Called before every drafter forward: after the values, the small sort/gather/utility work runs
+        # in numpy on float64 copies (what expand_pays computes in; float32 -> float64 is exact, so
+        # sorting before or after the conversion gives the same array). ~10x fewer microseconds.
+        values = torch.where(tree.valid, self.values(tree), 0.0).detach().cpu().double().numpy()  # [B, N]
+        sorted_values = -np.sort(-values, axis=1)  # descending
+        fr = frontier.detach().cpu().numpy()
+        frontier_values = np.where(fr >= 0, np.take_along_axis(values, np.maximum(fr, 0), axis=1), 0.0)  # [B, F]
         forwards_left = max(self.steps - 1 - num_forwards, 1)
-        table = torch.tensor(self.cost_table, dtype=torch.float64)
-        return ~expand_pays(sorted_values, frontier_values, table, forwards_left, self.draft_forward_s)
+        return torch.from_numpy(~_expand_pays_host(sorted_values, frontier_values, self._table(), forwards_left,
+                                                   self.draft_forward_s))
+
+    def _table(self) -> np.ndarray:
+        """cost_table as float64 numpy, built once per rule (the dataclass is frozen: cached by hand)."""
+        table = self.__dict__.get("_table_np")
+        if table is None:
+            table = np.asarray(self.cost_table, dtype=np.float64)
+            object.__setattr__(self, "_table_np", table)
+        return table
