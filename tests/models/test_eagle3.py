@@ -273,3 +273,15 @@ def test_positions_past_max_position_embeddings_extend_the_rope_table(target, dr
         cached = drafter(hidden, input_ids=ids, attention_mask=mask, cache_kv=kv, cache_start=far)
     torch.testing.assert_close(cached.logits, near_out.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(cached.keys, far_out.keys, atol=0, rtol=0)
+
+
+def test_commit_needs_one_more_emitted_token_than_accepted_nodes(target, drafter):
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    _, dcache, _ = _prefilled(target, drafter, ids)
+    hidden = torch.randn(1, 4, 3 * target.hidden_size)
+    before = dcache.num_tokens
+    with pytest.raises(ValueError, match="2 emitted tokens for 2 accepted nodes"):
+        drafter.commit(dcache, torch.tensor([0, 2, -1]), torch.tensor([7, 9, -1, -1]), hidden)
+    assert dcache.num_tokens == before  # nothing appended
+    drafter.commit(dcache, torch.tensor([0, 2, -1]), torch.tensor([7, 9, 11, -1]), hidden)
+    assert dcache.num_tokens == before + 3
