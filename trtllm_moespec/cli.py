@@ -86,6 +86,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="weights and activations")
     p.add_argument("--model-impl", default="lean", choices=["lean", "hf"],
                    help="target forward: lean (ours, static KV cache) or hf (transformers, the reference)")
+    p.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction,
+                   help="replay the verify forward from one CUDA graph per verify-length bucket (default: on for "
+                        "--device cuda with --model-impl lean, off otherwise)")
     p.add_argument("--cost-profile", default=None,
                    help="cost_profile.json for evict/joint (default: the model's own), or roofline:H200 for an "
                         "unmeasured estimate")
@@ -117,7 +120,7 @@ def _llm_from_args(args, ep=None):
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
                drafter=args.drafter, override_profile=args.override_profile, values=args.values,
                model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True),
-               guard=args.guard, draft_stop=args.draft_stop)
+               guard=args.guard, draft_stop=args.draft_stop, cuda_graphs=args.cuda_graphs)
 
 
 def read_prompt_file(path: str) -> str:
