@@ -41,3 +41,25 @@ def test_cuda_graphs_option_is_checked_before_loading(checkpoints):
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         LLM(str(target), policy="ar", cuda_graphs="yes")
     assert LLM(str(target), policy="ar", cuda_graphs=False).cuda_graphs is False
+
+
+def test_device_selection_cuts_the_selection_to_its_verify_bucket(checkpoints):
+    """The CUDA step's one read-back: the selected count picks the bucket; the selection is cut or
+    -1 padded to it (called here on CPU tensors: the method itself has no device-specific code)."""
+    import torch
+
+    from trtllm_moespec.core.tree import DraftTree
+
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    parents = torch.tensor([[-1, 0, 1, -1, 3, 4, 5, 0, 7, 8]])
+    tree = DraftTree.from_parents(torch.arange(10)[None], parents, torch.full((1, 10), 0.5))
+    node_idx = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1]])  # 5 selected, depths 1 2 3 1 2
+    llm.target.use_verify_runner("static", (1, 2, 4, 8, 16))
+    cut, depth = llm.engine._device_selection(tree, node_idx)
+    assert depth == 3 and cut.tolist() == [[0, 1, 2, 3, 4, -1, -1]]  # 1 + 5 positions -> bucket 8
+    llm.target.use_verify_runner("static", (1, 16))
+    cut, _ = llm.engine._device_selection(tree, node_idx)
+    assert cut.shape == (1, 15) and cut[0, :5].tolist() == [0, 1, 2, 3, 4] and bool((cut[0, 5:] == -1).all())
+    llm.target.use_verify_runner(None)
+    cut, depth = llm.engine._device_selection(tree, node_idx)
+    assert cut.tolist() == [[0, 1, 2, 3, 4]] and depth == 3

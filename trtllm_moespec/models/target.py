@@ -206,6 +206,13 @@ class TargetModel:
                 raise ValueError("use_verify_runner needs at least one bucket")
         self._runner_kind, self._runner_buckets, self._runners = kind, tuple(buckets), {}
 
+    def verify_length(self, num_tokens: int) -> int:
+        """The length a verify of `num_tokens` positions actually runs at: its bucket when bucketed
+        forwards are on and it fits one, else itself."""
+        if self._runner_kind is None or num_tokens > self._runner_buckets[-1]:
+            return num_tokens
+        return next(b for b in self._runner_buckets if b >= num_tokens)
+
     @property
     def verify_runner(self) -> str | None:
         """How short lean forwards run: "graphs", "static" or None (eager)."""
