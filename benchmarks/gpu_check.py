@@ -2,11 +2,13 @@
 
 1. `moespec::select_tree` timings per mode on the device (64-node trees, 48 x 128 experts).
 2. AR tokens/s on moespec-tiny: our engine (lean forward) vs transformers `generate` (eager).
-3. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
+3. ar and eagle3 tokens/s of the engine on moespec-tiny with CUDA graphs on vs off (interleaved),
+   and whether both produce the same greedy tokens.
+4. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
    512-token prefix, eager and replayed from the verify-length bucket's CUDA graph, on a
    random-weight model with Qwen3-30B-A3B's shapes (bf16, 48 layers, 128 experts, top-8).
 `--cpu-smoke`: tiny shapes and few repeats on the CPU, graphs replaced by the static-shape
-forward they capture, so CI runs every line of this script.
+forward they capture (`StaticVerify`), so CI runs every line of this script.
 
     python -m benchmarks.gpu_check --out DIR [--cpu-smoke]
 Writes DIR/gpu_check.json and prints a summary.
@@ -86,6 +88,32 @@ def ar_tokens_per_s(device: torch.device, tokens: int, repeats: int) -> dict:
     return dict(lean_tokens_per_s=lean, transformers_generate_tokens_per_s=ref, ratio=lean / ref)
 
 
+def graph_speed(device: torch.device, tokens: int, repeats: int) -> list[dict]:
+    """Engine tokens/s with the verify forward replayed from CUDA graphs vs eager, per policy,
+    interleaved; on the CPU smoke run the "graphs" side is the static-shape forward they capture."""
+    from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec.models.cuda_graphs import verify_buckets
+
+    rows = []
+    for policy in ("ar", "eagle3"):
+        on = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=device.type == "cuda",
+                 override_profile=True)
+        if device.type != "cuda":
+            on.target.use_verify_runner("static", verify_buckets(on.tree.max_draft_tokens))
+        off = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=False, override_profile=True)
+        ids = on.encode(["def fibonacci(n):\n"])[0]
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        first = {name: llm.generate([ids], params)[0].token_ids for name, llm in (("on", on), ("off", off))}
+        speed = {"on": [], "off": []}
+        for _ in range(repeats):  # interleaved
+            for name, llm in (("on", on), ("off", off)):
+                speed[name].append(llm.generate([ids], params)[0].stats.tokens_per_s)
+        rows.append(dict(policy=policy, graphs_tokens_per_s=statistics.median(speed["on"]),
+                         eager_tokens_per_s=statistics.median(speed["off"]), same_tokens=first["on"] == first["off"],
+                         runner=on.target.verify_runner))
+    return rows
+
+
 def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) -> dict:
     """C(k) eager and with CUDA graphs (CPU smoke: the static-shape forward instead of replay)."""
     import transformers
@@ -111,11 +139,10 @@ def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) ->
     target._pool.ensure_len(prefix + max(buckets) + 1)
     gen = torch.Generator().manual_seed(0)
     target.prefill(cache, torch.randint(0, shapes["vocab_size"], (1, prefix), generator=gen))
-    graphs = None
-    if device.type == "cuda":
-        from trtllm_moespec.models.cuda_graphs import VerifyGraphs
+    from trtllm_moespec.models.cuda_graphs import StaticVerify, VerifyGraphs
 
-        graphs = VerifyGraphs(target.lean, target._pool, cache.slot, buckets)
+    runner_cls = VerifyGraphs if device.type == "cuda" else StaticVerify
+    graphs = runner_cls(target.lean, target._pool, cache.slot, buckets)
     prefix_t = torch.tensor([prefix], device=device)
     rows = []
     for k in K_VALUES:
@@ -129,12 +156,9 @@ def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) ->
         def eager():
             target.verify(cache, layout)
             target.discard(cache)
-        if graphs is not None:
-            graphed = lambda: graphs.run(ids, pos, prefix_t, mask)  # noqa: E731
-        else:
-            graphed = lambda: target.lean.forward_static(target._pool, ids, pos, (cache.slot,), prefix_t, mask)  # noqa: E731
+        graphed = lambda: graphs.run(ids, pos, prefix_t, mask)  # noqa: E731
         rows.append(dict(k=k, eager_ms=_median_ms(eager, device, repeats), graph_ms=_median_ms(graphed, device, repeats)))
-    return dict(shapes=shapes, dtype=str(dtype), prefix=prefix, build_s=build_s, graphs=graphs is not None, rows=rows)
+    return dict(shapes=shapes, dtype=str(dtype), prefix=prefix, build_s=build_s, graphs=device.type == "cuda", rows=rows)
 
 
 def main(argv=None) -> dict:
@@ -151,6 +175,7 @@ def main(argv=None) -> dict:
                   cpu_smoke=smoke)
     result["select_tree"] = select_timings(device, repeats=2 if smoke else 50)
     result["ar"] = ar_tokens_per_s(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)
+    result["graph_speed"] = graph_speed(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)
     result["cost"] = cost_table(device, TINY if smoke else QWEN3_30B_A3B, prefix=16 if smoke else 512,
                                 repeats=2 if smoke else 20)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -161,6 +186,9 @@ def main(argv=None) -> dict:
     ar = result["ar"]
     print(f"  moespec-tiny ar: lean {ar['lean_tokens_per_s']:.1f} tok/s, transformers generate "
           f"{ar['transformers_generate_tokens_per_s']:.1f} tok/s ({ar['ratio']:.2f}x)")
+    for row in result["graph_speed"]:
+        print(f"  moespec-tiny {row['policy']}: graphs {row['graphs_tokens_per_s']:.1f} tok/s, eager "
+              f"{row['eager_tokens_per_s']:.1f} tok/s, same tokens: {row['same_tokens']} (runner {row['runner']})")
     cost = result["cost"]
     print(f"  C(k) after {cost['prefix']} tokens ({cost['dtype']}, model built in {cost['build_s']:.0f} s; "
           f"{'graphs' if cost['graphs'] else 'static forward, no graphs on CPU'}):")

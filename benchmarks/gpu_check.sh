@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests, select_tree timings,
-# lean-engine vs transformers AR tokens/s, and C(k) with and without CUDA graphs on a
+# The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests (graphs on/off), select_tree timings,
+# lean-engine vs transformers AR tokens/s, ar/eagle3 tokens/s with CUDA graphs on vs off, and C(k) with and without CUDA graphs on a
 # random-weight Qwen3-30B-A3B-shaped model (benchmarks/gpu_check.py). JSON goes under $OUT.
 #
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
