@@ -63,3 +63,27 @@ def test_device_selection_cuts_the_selection_to_its_verify_bucket(checkpoints):
     llm.target.use_verify_runner(None)
     cut, depth = llm.engine._device_selection(tree, node_idx)
     assert cut.tolist() == [[0, 1, 2, 3, 4]] and depth == 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["eagle3", "joint"])
+def test_static_drafter_extensions_keep_greedy_output(checkpoints, arch, policy):
+    """The drafter's per-step extension through the static-shape drafter forward (what
+    `DrafterGraphs` captures), together with the static verify: greedy output unchanged."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    llm = _llm(checkpoints, arch, policy)
+    llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
+    source = llm.engine.draft_source
+    source.extend_runner = StaticDrafterExtend(source.drafter, verify_buckets(llm.tree.steps))
+    calls = []
+    run = source.extend_runner.run
+    source.extend_runner.run = lambda *a: calls.append(a[2].shape[1]) or run(*a)  # count real uses
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert calls and max(calls) <= llm.tree.steps + 1
+    eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
+    # the drafter state matches too: every step accepted as many tokens as with the eager drafter
+    assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]

@@ -84,3 +84,24 @@ def test_frontier_visibility_rejects_masks_that_do_not_fit():
         frontier_visibility(mask, 8, torch.arange(3))
     with pytest.raises(ValueError, match="do not fit"):
         frontier_visibility(mask, 16, torch.arange(2))
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_static_extend_runner_equals_drafter_extend(drafter, n):
+    """`StaticDrafterExtend.run` (what DrafterGraphs captures) leaves the drafter buffer and the
+    last-position outputs as `Eagle3Drafter.extend` does."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+
+    cache, gen = _prefilled(drafter, 6, seed=n)
+    S = cache.num_tokens
+    ids, hidden = torch.randint(0, 128, (1, n), generator=gen), torch.randn(1, n, drafter.fc.in_features, generator=gen)
+    ref_kv = cache.kv.clone()
+    out = StaticDrafterExtend(drafter, (1, 2, 4, 8)).run(cache.kv, S, ids, hidden)
+    static_kv = cache.kv.clone()
+    cache.kv.copy_(ref_kv)
+    drafter.extend(cache, ids, hidden)
+    torch.testing.assert_close(out.logits[:, -1], cache.last_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden[:, -1], cache.last_hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(static_kv[..., :S + n, :], cache.kv[..., :S + n, :], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        StaticDrafterExtend(drafter, (1, 2)).run(cache.kv, S, ids.repeat(1, 3), hidden.repeat(1, 3, 1))

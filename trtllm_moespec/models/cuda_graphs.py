@@ -199,3 +199,128 @@ def warn_fallback(error: BaseException) -> None:
     """The one warning printed when graph capture fails and the target falls back to eager."""
     warnings.warn(f"CUDA graph capture of the verify forward failed ({type(error).__name__}: {error}); "
                   "running the verify forward eagerly from now on", RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter extensions (commit / catch-up): the drafter forward over the n tokens a step committed
+
+
+@dataclass
+class _ExtendBucket:
+    input_ids: torch.Tensor  # [1, B] int64
+    hidden: torch.Tensor  # [1, B, W] target features
+    start: torch.Tensor  # [1] int64 committed drafter positions
+    graph: object | None = None
+    output: object | None = None  # Eagle3Output of the graph
+
+
+class StaticDrafterExtend:
+    """Drafter cache extensions by n <= max(buckets) positions through the static-shape drafter
+    forward (`eagle3_static.py`) of the smallest bucket >= n, over the cache's whole K/V buffer.
+    `_call` is what `DrafterGraphs` captures; this class runs it eagerly (the CPU reference)."""
+
+    def __init__(self, drafter, buckets: tuple[int, ...]):
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"extension buckets must be positive, got {buckets}")
+        self.drafter = drafter
+        self.buckets = tuple(sorted(set(buckets)))
+        self._buckets: dict[int, _ExtendBucket] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"an extension of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    @torch.no_grad()
+    def run(self, kv: torch.Tensor, start: int, token_ids: torch.Tensor, hidden: torch.Tensor):
+        """Extend the drafter K/V buffer kv [2, 1, KVH, capacity, D] (capacity >= start + bucket)
+        by token_ids [1, n] paired with hidden [1, n, W]; returns the n real rows' Eagle3Output."""
+        n = token_ids.shape[1]
+        B = self.bucket(n)
+        if kv.shape[3] < start + B:
+            raise ValueError(f"the drafter buffer holds {kv.shape[3]} positions, the bucket needs {start + B}")
+        buf = self._buffers(B, hidden)
+        buf.input_ids.zero_()
+        buf.input_ids[:, :n].copy_(token_ids)
+        buf.hidden.zero_()
+        buf.hidden[:, :n].copy_(hidden)
+        buf.start.fill_(start)
+        out = self._execute(buf, kv)
+        from .eagle3 import Eagle3Output
+
+        return Eagle3Output(logits=out.logits[:, :n].clone(), hidden=out.hidden[:, :n].clone(),
+                            keys=out.keys[:, :, :n].clone(), values=out.values[:, :, :n].clone())
+
+    def _buffers(self, B: int, hidden: torch.Tensor) -> _ExtendBucket:
+        buf = self._buckets.get(B)
+        if buf is None or buf.hidden.shape[-1] != hidden.shape[-1] or buf.hidden.dtype != hidden.dtype:
+            device = hidden.device
+            buf = _ExtendBucket(input_ids=torch.zeros(1, B, dtype=torch.int64, device=device),
+                                hidden=hidden.new_zeros(1, B, hidden.shape[-1]),
+                                start=torch.zeros(1, dtype=torch.int64, device=device))
+            self._buckets[B] = buf
+        return buf
+
+    def _call(self, buf: _ExtendBucket, kv: torch.Tensor):
+        from .eagle3_static import extension_inputs, static_drafter_forward
+
+        positions, write_idx, visible = extension_inputs(buf.start, buf.input_ids.shape[1], kv.shape[3])
+        return static_drafter_forward(self.drafter, kv, buf.hidden, buf.input_ids, positions, write_idx, visible)
+
+    def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
+        return self._call(buf, kv)
+
+
+class DrafterGraphs(StaticDrafterExtend):
+    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use. A graph is
+    bound to one K/V buffer: a new request's buffer (or a grown one) drops every graph, which is
+    recaptured lazily. NOT YET RUN ON A GPU."""
+
+    def __init__(self, drafter, buckets: tuple[int, ...]):
+        if not drafter.lm_head.weight.is_cuda:
+            raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
+        super().__init__(drafter, buckets)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._kv: torch.Tensor | None = None
+        self.captures = 0
+
+    def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
+        if kv is not self._kv:
+            for b in self._buckets.values():
+                b.graph, b.output = None, None
+            self._kv = kv
+        if buf.graph is None:
+            try:
+                self._capture(buf, kv)
+            except Exception as e:
+                raise GraphCaptureError(str(e)) from e
+        buf.graph.replay()
+        return buf.output
+
+    def _capture(self, buf: _ExtendBucket, kv: torch.Tensor) -> None:
+        # Warm-up writes this extension's keys, which the replay below writes again (same inputs).
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call(buf, kv)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._call(buf, kv)
+        buf.graph, buf.output = graph, out
+        self.captures += 1
+
+
+def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticDrafterExtend:
+    """"graphs": CUDA graphs of the drafter's extension forwards; "static": the same call eagerly."""
+    if kind == "graphs":
+        return DrafterGraphs(drafter, buckets)
+    if kind == "static":
+        return StaticDrafterExtend(drafter, buckets)
+    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
