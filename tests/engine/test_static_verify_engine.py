@@ -87,3 +87,15 @@ def test_static_drafter_extensions_keep_greedy_output(checkpoints, arch, policy)
     eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
     # the drafter state matches too: every step accepted as many tokens as with the eager drafter
     assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]
+
+
+def test_cli_cuda_graphs_flag():
+    import argparse
+
+    from trtllm_moespec.cli import _add_model_args
+
+    p = argparse.ArgumentParser()
+    _add_model_args(p)
+    assert p.parse_args([]).cuda_graphs is None
+    assert p.parse_args(["--cuda-graphs"]).cuda_graphs is True
+    assert p.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
