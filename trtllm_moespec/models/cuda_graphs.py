@@ -83,8 +83,9 @@ class StaticVerify:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, prefix_len: int | torch.Tensor,
             tree_mask: torch.Tensor | None) -> LeanOutput:
         """Forward input_ids/positions [1, T] after `prefix_len` committed keys (a host int, or a
-        [1] device tensor), tree_mask [1, T, T] bool (None = causal). Returns the T real tokens'
-        outputs (all logits), owned by the caller."""
+        [1] device tensor: then the caller makes sure the cache holds prefix + bucket positions),
+        tree_mask [1, T, T] bool (None = causal). Returns the T real tokens' outputs (all logits),
+        owned by the caller."""
         T = input_ids.shape[1]
         B = self.bucket(T)
         if isinstance(prefix_len, int):  # the host knows it: room for the padded keys, no device read
