@@ -86,6 +86,54 @@ def test_plain_steps_defer_the_drafter_and_stay_exact(checkpoints, references_qw
     assert {(4, True), (4, False)} <= set(guard._goodput)  # both modes ran at batch size 4
 
 
+class _Scripted(GoodputGuard):
+    """A guard that speculates on the listed engine steps only (the schedule is the test's input)."""
+
+    def __init__(self, speculative_steps: set[int]):
+        super().__init__()
+        self.speculative_steps, self.step = speculative_steps, 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.step += 1
+        return self.step in self.speculative_steps
+
+
+def _count_drafter_forwards(llm, monkeypatch) -> list[int]:
+    drafter, calls = llm.engine.draft_source.drafter, [0]
+    forward = drafter.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "forward", counted)
+    return calls
+
+
+def test_plain_batch_steps_run_no_drafter_forward(checkpoints, references_qwen, monkeypatch):
+    """A batch that never speculates never runs the drafter (not even its prompt prefill)."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    calls = _count_drafter_forwards(llm, monkeypatch)
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, goodput_guard=_Scripted(set())).run_all(requests)
+    assert [r.output_ids for r in requests] == references_qwen and calls[0] == 0
+
+
+@pytest.mark.parametrize("schedule", [{6, 7, 12}, {2, 16, 17, 18}, {36, 38, 39}])
+def test_a_drafter_started_late_catches_up_exactly(checkpoints, references_qwen, monkeypatch, schedule):
+    """Plain steps first, the drafter started at the batch's first speculative step (prompt prefill,
+    then the missed plain steps in one catch-up), including a request past the early-step cap."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    calls = _count_drafter_forwards(llm, monkeypatch)
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    long = llm.make_request(PROMPTS[0], SamplingParams(max_tokens=45, ignore_eos=True))  # 32 early steps + more
+    engine = BatchedEngine(llm.engine, max_batch_size=3, joint_batch=True, goodput_guard=_Scripted(schedule))
+    _drive(engine, [long] + requests, admit_every=3)
+    assert [r.output_ids for r in requests] == references_qwen
+    assert long.output_ids[:MAX_TOKENS] == references_qwen[0]
+    assert calls[0] > 0 and any(s.verified_tokens > 0 for r in requests + [long] for s in r.steps)
+
+
 def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):
     llm = _llm(checkpoints, "qwen3_moe", "eagle3")
     engine = BatchedEngine(llm.engine, max_batch_size=2)

@@ -56,8 +56,27 @@ def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
     guard.record(2, True, 4, 1.0)
     guard.record(2, False, 4, 0.5)  # at B=2 plain wins
     assert guard.speculate(4) is False and guard.speculate(1) is False  # so neighbours start plain...
-    guard.record(4, False, 8, 0.5)
-    assert guard.speculate(4) is True  # ...and still measures speculation once
+    steps = 0
+    while not guard.speculate(4):  # ...and follow B=2 until the engine's one probe countdown runs out
+        guard.record(4, False, 8, 0.5)
+        steps += 1
+    assert steps == 20  # (1.0 / 0.5 - 1) / 0.05 from B=2, not one probe per newly seen batch size
+    guard.record(4, True, 8, 1.0)  # the probe measures speculation at B=4 itself: it loses there too
+    assert guard.num_probes == 1 and guard.speculate(4) is False and guard._until_probe == 32
+
+
+def test_batch_size_drift_does_not_cost_a_probe_per_size():
+    """Under continuous batching the size moves every few steps; only the countdown probes."""
+    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05)
+    guard.record(8, True, 8, 0.5)
+    guard.record(8, False, 8, 0.1)  # plain wins 5x: probes every (0.5 / 0.1 - 1) / 0.05 = 80 steps
+    choices = []
+    for step in range(200):
+        b = 8 - step % 5  # 8, 7, 6, 5, 4, 8, ...
+        spec = guard.speculate(b)
+        choices.append(spec)
+        guard.record(b, spec, b, 0.5 if spec else 0.1)
+    assert sum(choices) == 2 and guard.num_probes == 2
 
 
 def test_guard_rejects_bad_settings():

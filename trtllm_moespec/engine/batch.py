@@ -33,12 +33,18 @@ from ..core.layout import TreeLayout, build_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, limit_depth
 from ..core.values import RequestValues, accepted_nodes, with_values
-from ..core.verify import verify_tree
+from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, GoodputGuard
 from .drafters import Draft
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
+
+
+# Plain steps a lazily started drafter may miss before it is started anyway: each holds the step's
+# root logits (a vocabulary row), so the wait is bounded; a long request pays the drafter's
+# prompt prefill once, as it would without the wait.
+_MAX_EARLY_STEPS = 32
 
 
 @dataclass
@@ -49,6 +55,13 @@ class _Active:
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
+    # A lazily started drafter (joint-batch): until the batch first speculates, the drafter has not
+    # seen the prompt; (prompt, prefill output, root) and the plain steps since wait here.
+    drafter_started: bool = True
+    prompt: torch.Tensor | None = None
+    prefill: TargetOutput | None = None
+    root: int = 0
+    early_steps: list[tuple[VerifyResult, TargetOutput]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,9 @@ class BatchedEngine:
         # Plain steps skip the drafter: the draft source remembers their tokens and catches up in one
         # forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's guard does).
         self._defer_drafter = joint_batch and hasattr(engine.draft_source, "defer")
+        # With deferral the drafter's prompt prefill (about a target prefill's cost) waits too, until the
+        # batch first speculates: requests that never speculate never pay for a drafter forward.
+        self._lazy_drafter = self._defer_drafter and self.guard is not None
 
     # ------------------------------------------------------------------ admission
     @property
@@ -142,7 +158,10 @@ class BatchedEngine:
         active.cache = self.target.new_cache()
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
-        active.draft_state = engine.draft_source.start(prompt, prefill, root)
+        if self._lazy_drafter:
+            active.drafter_started, active.prompt, active.prefill, active.root = False, prompt, prefill, root
+        else:
+            active.draft_state = engine.draft_source.start(prompt, prefill, root)
         if engine.values is not None and engine.policy.uses_values:
             active.values = engine.values.for_request(request.sampling)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -187,7 +206,19 @@ class BatchedEngine:
         return [BatchStepOutput(r.request, r.new_ids, r.finished, s) for r, s in zip(results, stats)], batch_experts
 
     # ------------------------------------------------------------------ stages
+    def _start_drafter(self, active: _Active) -> None:
+        """Start a lazily started drafter: prompt prefill, then the plain steps it missed (deferred:
+        it catches up on them in one forward when it next drafts)."""
+        if active.drafter_started:
+            return
+        source = self.engine.draft_source
+        active.draft_state = source.start(active.prompt, active.prefill, active.root)
+        for result, out in active.early_steps:
+            source.defer(active.draft_state, result, out)
+        active.drafter_started, active.prompt, active.prefill, active.early_steps = True, None, None, []
+
     def _draft(self, active: _Active) -> Draft:
+        self._start_drafter(active)
         request = active.request
         context = request.prompt_ids + request.output_ids
         draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
@@ -242,7 +273,12 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
+        if draft is None and not active.drafter_started:  # kept (root position only) for the drafter's start
+            active.early_steps.append((result, TargetOutput(out.logits.clone(), out.hidden.clone(),
+                                                            out.expert_ids.clone())))
+            if len(active.early_steps) >= _MAX_EARLY_STEPS:
+                self._start_drafter(active)
+        elif draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
             engine.draft_source.defer(active.draft_state, result, out)
         else:
             engine.draft_source.commit(active.draft_state, result, out)

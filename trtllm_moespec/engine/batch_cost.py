@@ -8,9 +8,10 @@
   seconds - c_tok * k - c_exp * U. Before any step at B it is B * c0 (pessimistic: no sharing).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
-  at a batch size never seen, the mode that won at the nearest measured batch size goes first
-  (neighbouring sizes cost alike); an unmeasured mode is then tried once, and the losing mode is
-  re-tried after an interval that doubles while its probes keep losing and that is never shorter
+  a batch size where the two modes were not both measured follows the nearest one where they were
+  (neighbouring sizes cost alike); the losing mode is re-tried (one countdown for the whole
+  engine, at whatever size the batch has then) after an interval that doubles while its probes
+  keep losing and that is never shorter
   than what keeps a probe's extra time within `probe_overhead` of the winner's (a speculative step
   10x dearer than a plain one is probed every ~180 steps at 5%), so a change in the text or the
   context length is noticed without paying for many lost probes.
@@ -49,7 +50,13 @@ class BatchCosts:
 
 
 class GoodputGuard:
-    """Chooses per step between speculative and plain decoding by measured goodput."""
+    """Chooses per step between speculative and plain decoding by measured goodput.
+
+    Goodput is measured per batch size; a batch size where only one mode (or none) was measured
+    follows the nearest batch size where both were, and the probe schedule is one countdown for
+    the whole engine: under continuous batching the size drifts (8, 7, 8, 6, ...) every few
+    steps, and a probe per newly seen size would cost more than all the plain steps it saves.
+    """
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
                  probe_overhead: float = 0.05):
@@ -60,37 +67,35 @@ class GoodputGuard:
         self.probe_overhead = probe_overhead  # a probe may cost at most this share of the winner's time
         self._goodput: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> tokens/s EMA
         self._seconds: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> step seconds EMA
-        self._until_probe: dict[int, int] = {}  # steps left before the losing mode is tried again
-        self._interval: dict[int, int] = {}  # current probe interval (doubles while the loser keeps losing)
+        self._until_probe = probe_every  # steps left before the losing mode is tried again
+        self._interval = probe_every  # current probe interval (doubles while the loser keeps losing)
+        self.num_probes = 0
 
     def speculate(self, batch_size: int) -> bool:
-        spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
-        if spec is None and plain is None:
-            nearest = self._nearest_decided(batch_size)
-            return True if nearest is None else nearest  # neighbouring batch sizes cost alike
-        if spec is None:
-            return True
-        if plain is None:
-            return False
-        best = spec >= plain
-        return (not best) if self._until_probe.get(batch_size, 0) <= 0 else best
+        """Speculate on the next step of `batch_size` requests? Decided before any drafting."""
+        decision = self._decision(batch_size)
+        if decision is None:  # nothing decided anywhere yet: measure speculation, then plain decoding
+            if (batch_size, True) in self._goodput or (batch_size, False) in self._goodput:
+                return (batch_size, True) not in self._goodput
+            return not any(speculated for _, speculated in self._goodput)
+        return (not decision) if self._until_probe <= 0 else decision
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        before = self._winner(batch_size)
+        """One finished step: its mode, committed tokens (all requests) and wall seconds."""
+        before = self._decision(batch_size)
         probed = before is not None and speculated != before
         key = (batch_size, speculated)
         self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
         self._seconds[key] = self._ema(self._seconds.get(key), seconds)
-        after = self._winner(batch_size)
-        interval = self._interval.get(batch_size, self.probe_every)
+        after = self._decision(batch_size)
         if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
-            interval = min(2 * interval, self.max_probe_every) if after == before else self.probe_every
-            self._interval[batch_size] = interval
-            self._until_probe[batch_size] = max(interval, self._affordable_interval(batch_size))
+            self.num_probes += 1
+            self._interval = min(2 * self._interval, self.max_probe_every) if after == before else self.probe_every
+            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         elif before is None and after is not None:  # both modes just got measured
-            self._until_probe[batch_size] = max(interval, self._affordable_interval(batch_size))
+            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         else:
-            self._until_probe[batch_size] = self._until_probe.get(batch_size, interval) - 1
+            self._until_probe -= 1
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -98,16 +103,24 @@ class GoodputGuard:
     def _affordable_interval(self, batch_size: int) -> int:
         """Steps between probes so that a probe's extra time stays within `probe_overhead` of the
         winner's time over the interval (a probe 10x dearer than a step waits ~180 steps at 5%)."""
-        winner = self._winner(batch_size)
-        t_win, t_lose = self._seconds.get((batch_size, winner)), self._seconds.get((batch_size, not winner))
-        if winner is None or t_win is None or t_lose is None or t_lose <= t_win:
+        measured = self._nearest_measured(batch_size)
+        if measured is None:
+            return self.probe_every
+        winner = self._winner(measured)
+        t_win, t_lose = self._seconds[(measured, winner)], self._seconds[(measured, not winner)]
+        if t_lose <= t_win:
             return self.probe_every
         return min(math.ceil((t_lose / t_win - 1) / self.probe_overhead), self.max_probe_every)
 
-    def _nearest_decided(self, batch_size: int) -> bool | None:
-        """The winning mode at the nearest batch size where both were measured (smaller first on ties)."""
-        decided = sorted((abs(b - batch_size), b) for b in {b for b, _ in self._goodput} if self._winner(b) is not None)
-        return self._winner(decided[0][1]) if decided else None
+    def _decision(self, batch_size: int) -> bool | None:
+        """The winning mode at the nearest batch size where both modes were measured (this one
+        first, then smaller on ties: neighbouring sizes cost alike); None while there is none."""
+        measured = self._nearest_measured(batch_size)
+        return None if measured is None else self._winner(measured)
+
+    def _nearest_measured(self, batch_size: int) -> int | None:
+        sizes = sorted((abs(b - batch_size), b) for b, _ in self._goodput if self._winner(b) is not None)
+        return sizes[0][1] if sizes else None
 
     def _winner(self, batch_size: int) -> bool | None:
         spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
