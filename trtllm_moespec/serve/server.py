@@ -99,11 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cli import _add_model_args
 
     p = argparse.ArgumentParser(prog="moespec serve", description="OpenAI-compatible HTTP server")
-    _add_model_args(p)
-    policy = next(a for a in p._actions if a.dest == "policy")  # the shared model options, plus joint-batch
-    policy.choices = [*policy.choices, "joint-batch"]
-    policy.metavar = "{" + ",".join(policy.choices) + "}"
-    policy.help = (policy.help or "") + "; joint-batch: joint's nodes chosen across the whole batch"
+    _add_model_args(p, batch_policies=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
