@@ -17,26 +17,10 @@ from pathlib import Path
 
 from ..api import LLM
 from .app import Server, build_app
-from ..engine.batch import BatchedEngine
-from .engine import BatchedServingEngine, RoundRobinEngine, ServingEngine
+from .engine import ENGINES, ServingEngine, make_engine  # noqa: F401  (make_engine: re-exported)
 from .scheduler import Scheduler
 
 log = logging.getLogger("trtllm_moespec.serve")
-
-
-ENGINES = ("batched", "joint-batch", "round-robin")
-
-
-def make_engine(llm: LLM, max_batch_size: int, kind: str = "batched") -> ServingEngine:
-    """The serving engine for a loaded model: "batched" (one target forward per step for the whole
-    batch, each request with its own policy), "joint-batch" (batched, nodes chosen across the batch
-    on the shared expert union; needs policy joint) or "round-robin" (requests stepped one after
-    another, each with its own forward: the reference the batched engine is tested against)."""
-    if kind not in ENGINES:
-        raise ValueError(f"unknown serving engine {kind!r}; choose one of {', '.join(ENGINES)}")
-    if kind == "round-robin":
-        return RoundRobinEngine(llm.engine, max_batch_size)
-    return BatchedServingEngine(BatchedEngine(llm.engine, max_batch_size, joint_batch=kind == "joint-batch"))
 
 
 class ServerThread:
