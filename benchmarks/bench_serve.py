@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
 
 
 def _engine_kind(method: str, engine: str) -> str:
-    return "joint-batch" if method == "joint-batch" else engine
+    return method if method.endswith("-batch") else engine
 
 
 if __name__ == "__main__":

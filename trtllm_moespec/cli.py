@@ -18,7 +18,7 @@ from . import __version__
 POLICY_CHOICES = ("ar", "coverage", "ddd", "eagle3", "ecospec", "evict", "joint", "oracle")
 # Selections across a batch of requests: only `moespec serve` runs batches (serve.server maps each to
 # the per-request policy it loads and the batched engine it drives).
-BATCH_POLICY_CHOICES = ("joint-batch",)
+BATCH_POLICY_CHOICES = ("joint-batch", "evict-batch", "ecospec-batch")  # = engine.batch.BATCH_POLICIES
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 

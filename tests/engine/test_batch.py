@@ -14,7 +14,8 @@ import transformers
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.core.cost import ExpertCostModel
 from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
-from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.engine.batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from trtllm_moespec.core.layout import build_layout
 from trtllm_moespec.core.tree import DraftTree
 
@@ -132,6 +133,33 @@ def test_a_drafter_started_late_catches_up_exactly(checkpoints, references_qwen,
     assert [r.output_ids for r in requests] == references_qwen
     assert long.output_ids[:MAX_TOKENS] == references_qwen[0]
     assert calls[0] > 0 and any(s.verified_tokens > 0 for r in requests + [long] for s in r.steps)
+
+
+@pytest.mark.parametrize("policy", ["evict", "ecospec"])
+def test_batch_variants_keep_greedy_output_exact(checkpoints, references_qwen, policy):
+    """evict-batch / ecospec-batch: nodes chosen across the batch, requests joining mid-way;
+    every request still decodes exactly what transformers' greedy generate does."""
+    llm = _llm(checkpoints, "qwen3_moe", policy, predictor="oracle")
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    # evict's costs made cheap per node (the random test drafter rarely pays): the test is about exactness
+    # when many nodes of several requests are verified.
+    costs = BatchTableCosts(CostTable((1.0,) + tuple(1.0 + 1e-6 * k for k in range(1, 33))), measure=False)
+    engine = BatchedEngine(llm.engine, max_batch_size=3, batch_policy=f"{policy}-batch", goodput_guard=False,
+                           costs=costs if policy == "evict" else None)
+    _drive(engine, requests, admit_every=2)
+    assert [r.output_ids for r in requests] == references_qwen and engine.num_active == 0
+    assert any(s.verified_tokens > 0 for r in requests for s in r.steps)  # it did speculate
+    assert engine.guard is None and (engine.costs is None) == (policy == "ecospec")
+
+
+def test_batch_policy_needs_its_loaded_policy(checkpoints):
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    with pytest.raises(ValueError, match="policy 'evict'"):
+        BatchedEngine(llm.engine, 2, batch_policy="evict-batch")
+    with pytest.raises(ValueError, match="unknown batch policy"):
+        BatchedEngine(llm.engine, 2, batch_policy="eagle3-batch")
+    with pytest.raises(ValueError, match="contradicts"):
+        BatchedEngine(llm.engine, 2, joint_batch=True, batch_policy="evict-batch")
 
 
 def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trtllm_moespec.core.cost import ExpertCostModel
-from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.engine.batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 
 
 def test_batch_costs_measure_the_intercept_per_batch_size():
@@ -19,6 +20,15 @@ def test_batch_costs_measure_the_intercept_per_batch_size():
     fixed = BatchCosts(ExpertCostModel(0.01, 0.001, 0.0001), measure=False)
     fixed.record(4, 10, 100, 1.0)
     assert fixed.model(4).c0 == pytest.approx(0.04)
+
+
+def test_batch_table_costs_shift_the_profiled_table_by_a_measured_intercept():
+    costs = BatchTableCosts(CostTable((0.010, 0.012, 0.016)))
+    assert costs.table(1, 2).tolist() == pytest.approx([0.010, 0.012, 0.016])  # one request: the profile
+    assert costs.table(4, 4).tolist() == pytest.approx([0.040, 0.042, 0.046, 0.049, 0.052])  # mean slope past K
+    for seconds in (0.030, 0.031, 0.040):
+        costs.record(4, num_nodes=3, unique_pairs=0, seconds=seconds)
+    assert costs.table(4, 1).tolist() == pytest.approx([0.031 - 0.009, 0.031 - 0.009 + 0.002])
 
 
 def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():

@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from ..core.batch_select import joint_batch_select
+from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
 from ..core.layout import TreeLayout, build_layout
 from ..core.select import path_bits
-from ..core.tree import DraftTree, limit_depth
+from ..core.tree import DraftTree, gather_nodes, limit_depth, score_order
 from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
-from .batch_cost import BatchCosts, GoodputGuard
+from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
@@ -77,33 +77,45 @@ class BatchStepOutput:
 class BatchedEngine:
     """Continuous batching over one `SpecEngine`'s target, drafter, predictor and policy.
 
-    `joint_batch=True` replaces the per-request policy by the cross-request selection on the
-    batch's shared expert union, with per-batch-size costs (`costs`; default: the joint policy's
-    fit with intercepts measured per batch size) and, unless `goodput_guard=False`, a guard that
-    decodes plainly (no drafting) when speculation does not pay for the batch.
+    `batch_policy` replaces the per-request policy by a selection across the batch
+    (core/batch_select.py), on the loaded policy's drafter, predictor and costs:
+      "joint-batch" (policy joint; `joint_batch=True` is the same): greedy on the batch's shared
+          expert union, stopped at the batch's utility peak on per-batch-size costs (`costs`;
+          default: the joint fit with intercepts measured per batch size);
+      "evict-batch" (policy evict): EVICT's top nodes by value across the requests, k* at the
+          batch's utility peak on the profiled C(k) with a measured per-batch-size intercept;
+      "ecospec-batch" (policy ecospec): EcoSpec's greedy on the batch's union, B times its budget.
+    joint-batch and evict-batch run, unless `goodput_guard=False`, a guard that decodes plainly
+    (no drafter forward at all) when speculation does not pay for the batch; ecospec-batch runs
+    it only when given one (EcoSpec's rule has no cost model: the baseline as published).
     """
 
     def __init__(self, engine: SpecEngine, max_batch_size: int, joint_batch: bool = False,
-                 costs: BatchCosts | None = None, goodput_guard: bool | GoodputGuard = True):
+                 costs: BatchCosts | BatchTableCosts | None = None, goodput_guard: bool | GoodputGuard = True,
+                 batch_policy: str | None = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if engine.policy.needs_target:
             raise ValueError(f"policy {engine.policy.name!r} needs target scores per request (analysis only); "
                              "it cannot run batched")
-        if joint_batch and (engine.predictor is None or getattr(engine.policy, "cost_model", None) is None):
-            raise ValueError("joint-batch needs the joint policy's cost model and an expert predictor "
-                             "(load the model with policy 'joint')")
+        if joint_batch and batch_policy not in (None, "joint-batch"):
+            raise ValueError(f"joint_batch=True contradicts batch_policy={batch_policy!r}")
+        batch_policy = "joint-batch" if joint_batch else batch_policy
+        _check_batch_policy(engine, batch_policy)
         self.engine, self.target = engine, engine.target
         self.max_batch_size = max_batch_size
-        self.joint_batch = joint_batch
-        self.costs = costs if costs is not None or not joint_batch else BatchCosts(engine.policy.cost_model)
-        guard = goodput_guard if isinstance(goodput_guard, GoodputGuard) else (GoodputGuard() if goodput_guard else None)
-        self.guard = guard if joint_batch else None
+        self.batch_policy = batch_policy
+        self.joint_batch = batch_policy == "joint-batch"
+        self.costs = costs if costs is not None else _default_costs(engine, batch_policy)
+        if isinstance(goodput_guard, GoodputGuard):
+            self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
+        else:
+            self.guard = GoodputGuard() if goodput_guard and batch_policy in ("joint-batch", "evict-batch") else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
         # Plain steps of a drafting policy defer the EAGLE-3 drafter's cache extension (see _Active).
         # Plain steps skip the drafter: the draft source remembers their tokens and catches up in one
         # forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's guard does).
-        self._defer_drafter = joint_batch and hasattr(engine.draft_source, "defer")
+        self._defer_drafter = self.guard is not None and hasattr(engine.draft_source, "defer")
         # With deferral the drafter's prompt prefill (about a target prefill's cost) waits too, until the
         # batch first speculates: requests that never speculate never pay for a drafter forward.
         self._lazy_drafter = self._defer_drafter and self.guard is not None
@@ -235,8 +247,12 @@ class BatchedEngine:
         if drafts[0] is None:  # plain decoding step: every request verifies its root only
             return [torch.zeros(1, 0, dtype=torch.int64, device=self.target.device) for _ in running]
         valued = [self._valued(a, d) for a, d in zip(running, drafts)]
-        if self.joint_batch:
+        if self.batch_policy == "joint-batch":
             return self._joint_batch(valued, predictions)
+        if self.batch_policy == "evict-batch":
+            return self._evict_batch(valued)
+        if self.batch_policy == "ecospec-batch":
+            return self._ecospec_batch(valued, predictions)
         return [self.engine._select(v, e, rb, None).node_idx for v, (e, rb) in zip(valued, predictions)]
 
     @staticmethod
@@ -247,17 +263,30 @@ class BatchedEngine:
         return with_values(draft.tree, active.values.values(draft.tree, draft, context))
 
     def _joint_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
-        N = max(t.num_nodes for t in trees)
-        pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
-        scores = torch.cat([pad(t.scores, 0.0) for t in trees])
-        parents = torch.cat([pad(t.parents, -1) for t in trees])
-        valid = torch.cat([pad(t.valid, False) for t in trees])
-        traj = torch.cat([torch.nn.functional.pad(path_bits(e.bits, t.parents, t.depth), (0, 0, 0, N - t.num_nodes))
-                          for t, (e, _) in zip(trees, predictions)])
-        root_bits = torch.cat([rb for _, rb in predictions])
         budget = self.engine.tree.max_draft_tokens
         cost = self.costs.model(len(trees))
-        sel = joint_batch_select(scores, parents, valid, traj, root_bits, cost, budget * len(trees), budget)
+        sel = joint_batch_select(*_stack_trees(trees, predictions), cost, budget * len(trees), budget)
+        return [sel.node_idx[b:b + 1] for b in range(len(trees))]
+
+    def _ecospec_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
+        policy = self.engine.policy
+        sel = ecospec_batch_select(*_stack_trees(trees, predictions), policy.eps, policy.budget * len(trees),
+                                   self.engine.tree.max_draft_tokens)
+        return [sel.node_idx[b:b + 1] for b in range(len(trees))]
+
+    def _evict_batch(self, trees: list[DraftTree]) -> list[torch.Tensor]:
+        policy = self.engine.policy
+        cap = policy.cost_table.max_nodes if policy.budget is None else min(policy.budget, policy.cost_table.max_nodes)
+        orders = [score_order(t)[:, :cap] for t in trees]  # EVICT's per-request order (prefixes parent-closed)
+        N = max(o.shape[1] for o in orders)
+        order = torch.cat([torch.nn.functional.pad(o, (0, N - o.shape[1]), value=-1) for o in orders])
+        valid = torch.cat([torch.nn.functional.pad(gather_nodes(t.valid, o, False), (0, N - o.shape[1]))
+                           for t, o in zip(trees, orders)])
+        order = torch.where(valid, order, -1)  # invalid nodes sort last: the valid ones stay a prefix
+        scores = torch.cat([torch.nn.functional.pad(gather_nodes(t.scores, o, 0.0), (0, N - o.shape[1]))
+                            for t, o in zip(trees, orders)])
+        total = cap * len(trees)
+        sel = evict_batch_select(order, scores, self.costs.table(len(trees), total), total)
         return [sel.node_idx[b:b + 1] for b in range(len(trees))]
 
     def _finish(self, active: _Active, draft: Draft | None, experts, node_idx: torch.Tensor, layout: TreeLayout,
@@ -302,6 +331,43 @@ class _Finished:
     new_ids: list[int]
     finished: bool
     step: StepStats
+
+
+BATCH_POLICIES = {"joint-batch": "joint", "evict-batch": "evict", "ecospec-batch": "ecospec"}  # -> loaded policy
+
+
+def _check_batch_policy(engine: SpecEngine, batch_policy: str | None) -> None:
+    if batch_policy is None:
+        return
+    base = BATCH_POLICIES.get(batch_policy)
+    if base is None:
+        raise ValueError(f"unknown batch policy {batch_policy!r}; choose one of {', '.join(BATCH_POLICIES)}")
+    if engine.policy.name != base:
+        raise ValueError(f"{batch_policy} needs the model loaded with policy {base!r}, not {engine.policy.name!r}")
+    if base in ("joint", "ecospec") and engine.predictor is None:
+        raise ValueError(f"{batch_policy} needs an expert predictor (load the model with policy {base!r})")
+
+
+def _default_costs(engine: SpecEngine, batch_policy: str | None) -> BatchCosts | BatchTableCosts | None:
+    if batch_policy == "joint-batch":
+        return BatchCosts(engine.policy.cost_model)
+    if batch_policy == "evict-batch":
+        return BatchTableCosts(engine.policy.cost_table)
+    return None
+
+
+def _stack_trees(trees: list[DraftTree], predictions) -> tuple[torch.Tensor, ...]:
+    """(scores, parents, valid, path expert sets, root expert sets) of the requests, padded to the
+    largest tree (pads invalid)."""
+    N = max(t.num_nodes for t in trees)
+    pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
+    scores = torch.cat([pad(t.scores, 0.0) for t in trees])
+    parents = torch.cat([pad(t.parents, -1) for t in trees])
+    valid = torch.cat([pad(t.valid, False) for t in trees])
+    traj = torch.cat([torch.nn.functional.pad(path_bits(e.bits, t.parents, t.depth), (0, 0, 0, N - t.num_nodes))
+                      for t, (e, _) in zip(trees, predictions)])
+    root_bits = torch.cat([rb for _, rb in predictions])
+    return scores, parents, valid, traj, root_bits
 
 
 # ---------------------------------------------------------------------- the batched forward

@@ -6,6 +6,7 @@
   them); the intercept c0_B (B drafting runs, B roots, the dense weights) is measured on the
   fly at each batch size: the median over recent speculative steps of
   seconds - c_tok * k - c_exp * U. Before any step at B it is B * c0 (pessimistic: no sharing).
+- `BatchTableCosts`: the same for evict-batch on the profiled table: C_B(k) = c0_B + C(k) - C(0).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
   a batch size where the two modes were not both measured follows the nearest one where they were
@@ -23,7 +24,9 @@ import collections
 import math
 import statistics
 
-from ..core.cost import ExpertCostModel
+import numpy as np
+
+from ..core.cost import CostTable, ExpertCostModel
 
 
 class BatchCosts:
@@ -46,6 +49,38 @@ class BatchCosts:
         if not self.measure:
             return
         residual = seconds - self.base.c_tok * num_nodes - self.base.c_exp * unique_pairs
+        self._residuals.setdefault(batch_size, collections.deque(maxlen=self.window)).append(residual)
+
+
+class BatchTableCosts:
+    """evict-batch's cost: C_B(k) = c0_B + C(k) - C(0) on the profiled table C (extended past its
+    last entry by its mean slope), with the intercept c0_B measured per batch size as in
+    `BatchCosts` (before any step at B: B * C(0)); for one request it is the profiled table."""
+
+    def __init__(self, table: CostTable, window: int = 32, measure: bool = True):
+        self.costs = np.asarray(table.costs, dtype=np.float64)
+        K = self.costs.size - 1
+        self._slope = (self.costs[-1] - self.costs[0]) / K if K > 0 else 0.0
+        self.window, self.measure = window, measure
+        self._residuals: dict[int, collections.deque[float]] = {}
+
+    def extra(self, num_nodes: np.ndarray | int) -> np.ndarray:
+        """C(k) - C(0) for k draft nodes in the batch (past the table: its mean slope per node)."""
+        k = np.asarray(num_nodes)
+        K = self.costs.size - 1
+        return self.costs[np.minimum(k, K)] - self.costs[0] + self._slope * np.maximum(k - K, 0)
+
+    def table(self, batch_size: int, max_nodes: int) -> np.ndarray:
+        """C_B(k) for k = 0..max_nodes, seconds."""
+        samples = self._residuals.get(batch_size)
+        c0 = statistics.median(samples) if samples else batch_size * self.costs[0]
+        return np.maximum(c0 + self.extra(np.arange(max_nodes + 1)), 1e-6)
+
+    def record(self, batch_size: int, num_nodes: int, unique_pairs: int, seconds: float) -> None:
+        """One measured speculative step of `batch_size` requests (unique_pairs unused: C(k) has no U)."""
+        if not self.measure:
+            return
+        residual = seconds - float(self.extra(num_nodes))
         self._residuals.setdefault(batch_size, collections.deque(maxlen=self.window)).append(residual)
 
 

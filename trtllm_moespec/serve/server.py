@@ -110,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    from ..cli import _llm_from_args
+    from ..cli import BATCH_POLICY_CHOICES, _llm_from_args
 
     kind = args.engine
-    if args.policy == "joint-batch":  # the joint policy's drafter, predictor and cost model, selected across the batch
+    if args.policy in BATCH_POLICY_CHOICES:  # X-batch: policy X's drafter, predictor and costs, selected across the batch
         if kind != "batched":
-            raise ValueError("--policy joint-batch needs --engine batched")
-        args.policy, kind = "joint", "joint-batch"
+            raise ValueError(f"--policy {args.policy} needs --engine batched")
+        args.policy, kind = args.policy.removesuffix("-batch"), args.policy
     llm = _llm_from_args(args)
     name = args.served_model_name or args.model
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
