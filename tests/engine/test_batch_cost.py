@@ -70,9 +70,9 @@ def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
     while not guard.speculate(4):  # ...and follow B=2 until the engine's one probe countdown runs out
         guard.record(4, False, 8, 0.5)
         steps += 1
-    assert steps == 20  # (1.0 / 0.5 - 1) / 0.05 from B=2, not one probe per newly seen batch size
+    assert steps == 50  # (1.0 / 0.5 - 1) / 0.02 from B=2, not one probe per newly seen batch size
     guard.record(4, True, 8, 1.0)  # the probe measures speculation at B=4 itself: it loses there too
-    assert guard.num_probes == 1 and guard.speculate(4) is False and guard._until_probe == 32
+    assert guard.num_probes == 1 and guard.speculate(4) is False and guard._until_probe == 50
 
 
 def test_batch_size_drift_does_not_cost_a_probe_per_size():
