@@ -1,8 +1,11 @@
 """Batched decoding: every admitted request advances by one iteration in ONE target forward.
 
     step():  new requests: prefill (one forward each) -> first token
-             running requests: draft + predict per request
-               -> select (each request's own policy, or `joint-batch` across the batch)
+             running requests: speculate or not, for the whole batch (the goodput guard of a
+               batch policy, decided before any drafting; plain: no drafter forward)
+               -> draft + predict per request
+               -> select (each request's own policy, or a batch policy across the batch:
+                  joint-batch, evict-batch, ecospec-batch)
                -> one target forward over all roots + selected nodes: ragged trees padded to
                   the longest, per-request positions, tree masks and static-cache slots
                -> per request: acceptance rule, in-place commit in its slot, drafter commit
@@ -13,8 +16,9 @@ cache slot and b's tree mask; padding repeats the root token at the root's posit
 sees only the root, so it computes the root's values again and wakes no new expert; the
 acceptance rule runs per request on the unpadded layout, so a request draws exactly the
 uniforms from its own generator that it would draw alone. A selection made across the
-batch (`joint-batch`) changes which nodes are verified, never how they are accepted, so
-sampling stays lossless (DESIGN: any tree chosen without the verifier's random numbers).
+batch changes which nodes are verified, never how they are accepted, so sampling stays
+lossless (DESIGN: any tree chosen without the verifier's random numbers); the guard decides
+from past steps' timings only.
 
 Admission and retirement happen between steps (`add` / `abort`, driven by the serving
 scheduler). A request's slot is released when it finishes or is aborted.
@@ -55,7 +59,7 @@ class _Active:
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
-    # A lazily started drafter (joint-batch): until the batch first speculates, the drafter has not
+    # A lazily started drafter (a guarded batch policy): until the batch first speculates, the drafter has not
     # seen the prompt; (prompt, prefill output, root) and the plain steps since wait here.
     drafter_started: bool = True
     prompt: torch.Tensor | None = None
@@ -112,13 +116,11 @@ class BatchedEngine:
         else:
             self.guard = GoodputGuard() if goodput_guard and batch_policy in ("joint-batch", "evict-batch") else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
-        # Plain steps of a drafting policy defer the EAGLE-3 drafter's cache extension (see _Active).
-        # Plain steps skip the drafter: the draft source remembers their tokens and catches up in one
-        # forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's guard does).
+        # Plain steps (chosen by the guard) skip the drafter: the draft source remembers their tokens and
+        # catches up in one forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's
+        # guard does). The drafter's prompt prefill (about a target prefill's cost) waits too, until the
+        # request's batch first speculates: requests that never speculate never pay for a drafter forward.
         self._defer_drafter = self.guard is not None and hasattr(engine.draft_source, "defer")
-        # With deferral the drafter's prompt prefill (about a target prefill's cost) waits too, until the
-        # batch first speculates: requests that never speculate never pay for a drafter forward.
-        self._lazy_drafter = self._defer_drafter and self.guard is not None
 
     # ------------------------------------------------------------------ admission
     @property
@@ -170,7 +172,7 @@ class BatchedEngine:
         active.cache = self.target.new_cache()
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
-        if self._lazy_drafter:
+        if self._defer_drafter:
             active.drafter_started, active.prompt, active.prefill, active.root = False, prompt, prefill, root
         else:
             active.draft_state = engine.draft_source.start(prompt, prefill, root)
