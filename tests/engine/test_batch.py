@@ -6,6 +6,8 @@ and retired requests give their cache slots back."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,37 @@ def test_batch_policy_needs_its_loaded_policy(checkpoints):
         BatchedEngine(llm.engine, 2, batch_policy="eagle3-batch")
     with pytest.raises(ValueError, match="contradicts"):
         BatchedEngine(llm.engine, 2, joint_batch=True, batch_policy="evict-batch")
+
+
+class _Recording(_Scripted):
+    """A scripted guard that keeps what the engine reports for each step."""
+
+    def __init__(self, speculative_steps: set[int]):
+        super().__init__(speculative_steps)
+        self.records: list[tuple[int, bool, int, float]] = []
+
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        self.records.append((batch_size, speculated, tokens, seconds))
+
+
+def test_the_guard_times_the_iteration_without_the_prefills_beside_it(checkpoints, monkeypatch):
+    """Requests admitted mid-way prefill in the same engine step as the running ones iterate; the
+    guard must not charge those prefills to the step's mode (they would bias it at random)."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    prefill = llm.target.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(llm.target, "prefill", slow_prefill)
+    guard = _Recording({3, 4, 8})
+    requests = [llm.make_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    t0 = time.perf_counter()
+    _drive(BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, goodput_guard=guard), requests, admit_every=2)
+    assert time.perf_counter() - t0 > 0.3 * len(PROMPTS)
+    assert len(guard.records) > len(PROMPTS) and {spec for _, spec, _, _ in guard.records} == {True, False}
+    assert max(seconds for *_, seconds in guard.records) < 0.25  # no step carries a 0.3 s prefill
 
 
 def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):

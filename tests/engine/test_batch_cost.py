@@ -94,3 +94,18 @@ def test_guard_rejects_bad_settings():
         GoodputGuard(alpha=0)
     with pytest.raises(ValueError):
         GoodputGuard(probe_every=64, max_probe_every=32)
+
+
+def test_a_probe_that_beats_the_winner_is_not_backed_off():
+    guard = GoodputGuard(alpha=0.1, probe_every=4, max_probe_every=64, probe_overhead=0.5)
+    guard.record(2, True, 2, 1.0)
+    guard.record(2, False, 4, 1.0)  # plain 4 tokens/s wins over 2
+    for _ in range(3):  # losing probes: the interval doubles 4 -> 8 -> 16 -> 32
+        while not guard.speculate(2):
+            guard.record(2, False, 4, 1.0)
+        guard.record(2, True, 2, 1.0)
+    assert guard._interval == 32
+    while not guard.speculate(2):
+        guard.record(2, False, 4, 1.0)
+    guard.record(2, True, 6, 1.0)  # 6 tokens/s beats plain's 4, but the slow average still says plain
+    assert guard.speculate(2) is False and guard._interval == 4

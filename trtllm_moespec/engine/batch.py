@@ -184,6 +184,9 @@ class BatchedEngine:
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine
+        # The guard and the costs time the iteration alone: prefills of requests admitted in the same
+        # step (a whole plain step's worth each) would otherwise land on whichever mode ran beside them.
+        t_iter = time.perf_counter()
         speculate = self.guard.speculate(len(running)) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
         drafts = [self._draft(a) if speculate else None for a in running]
@@ -204,13 +207,14 @@ class BatchedEngine:
         results = []
         for a, d, (experts, _), n, layout, out in zip(running, drafts, predictions, node_idx, layouts, outs):
             results.append(self._finish(a, d, experts, n, layout, out))
+        iter_s = time.perf_counter() - t_iter
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
         if self.guard is not None:
-            self.guard.record(len(running), speculate, committed, step_s)
+            self.guard.record(len(running), speculate, committed, iter_s)
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
-            self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), step_s)
+            self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)
         share = lambda t: t * 1e3  # every request waited for the whole batch stage  # noqa: E731
         stats = [replace(r.step, draft_ms=share(t_draft) + r.step.draft_ms, predictor_ms=share(t_pred),
                          select_ms=share(t_select), target_ms=share(t_target),

@@ -121,13 +121,17 @@ class GoodputGuard:
         """One finished step: its mode, committed tokens (all requests) and wall seconds."""
         before = self._decision(batch_size)
         probed = before is not None and speculated != before
+        winner = self._goodput[(self._nearest_measured(batch_size), before)] if probed else 0.0
         key = (batch_size, speculated)
         self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
         self._seconds[key] = self._ema(self._seconds.get(key), seconds)
         after = self._decision(batch_size)
         if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
             self.num_probes += 1
-            self._interval = min(2 * self._interval, self.max_probe_every) if after == before else self.probe_every
+            # A probe that beat the winner's estimate without flipping the decision yet (the estimate
+            # averages older steps) is news too: no back-off, probe again after the shortest interval.
+            promising = after != before or tokens / max(seconds, 1e-9) >= winner
+            self._interval = self.probe_every if promising else min(2 * self._interval, self.max_probe_every)
             self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         elif before is None and after is not None:  # both modes just got measured
             self._until_probe = max(self._interval, self._affordable_interval(batch_size))
