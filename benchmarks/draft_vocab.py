@@ -7,10 +7,16 @@ target really emits greedily on the benchmark prompts (HumanEval, MT-Bench, GSM8
 can never propose a token outside its vocabulary, so (1 - coverage) bounds the acceptance lost.
 
 Then eagle3 (tree 4,8,32) with the drafter pruned to N in --pruned (no retraining,
-`Eagle3Drafter.prune_vocab`) against the full vocabulary, prompts interleaved: Mat and tokens/s
-(greedy output must stay identical).
+`Eagle3Drafter.prune_vocab`) against the unpruned drafter (--drafter, default the shipped one),
+prompts interleaved: Mat and tokens/s (greedy output must stay identical).
 
-    python -m benchmarks.draft_vocab [--windows 64] [--prompts 8] [--tokens 64] [--pruned 1024,512] [--out PATH]
+--export N writes the drafter pruned to the top N tokens to --export-dir (default: the shipped
+moespec-tiny drafter, fp16 like the export of `train_tiny.py export-eagle3`): lm_head keeps N rows,
+d2t/t2d describe them, config.json says draft_vocab_size N. The ranking depends on the target only,
+so exporting from an already pruned drafter with the same N gives the same drafter again.
+
+    python -m benchmarks.draft_vocab [--windows 64] [--prompts 8] [--tokens 64] [--pruned 1024,512]
+        [--drafter DIR] [--export N [--export-dir DIR]] [--out PATH]
 Prints a table, then one JSON line.
 """
 
@@ -28,7 +34,29 @@ from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.bench.datasets import load_prompts
 from trtllm_moespec.training.corpus import read_documents, split_by_file, stdlib_root
 
-SIZES = (256, 512, 1024, 1536, 2048, 3072, 4096)
+SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "trtllm_moespec" / "assets" / "moespec-tiny" / "eagle3"
+
+
+def export_pruned(llm: LLM, ranking: torch.Tensor, size: int, source: Path, out_dir: Path) -> Path:
+    """The drafter at `source` pruned to the `size` top-ranked tokens, written to out_dir in fp16
+    (SpecForge layout) and loaded back on the target as a check."""
+    import shutil
+    import tempfile
+
+    from trtllm_moespec.models.eagle3 import load_eagle3
+    from trtllm_moespec.training.train_eagle3 import save_drafter
+
+    drafter = load_eagle3(source, target=llm.target).prune_vocab(ranking[:size])
+    if drafter.config.draft_vocab_size != size:
+        raise SystemExit(f"{source} has only {drafter.config.draft_vocab_size} of the top {size} tokens: export "
+                         "from a drafter with the full vocabulary")
+    with tempfile.TemporaryDirectory() as tmp:  # source may be out_dir: write aside, then replace
+        save_drafter(drafter, Path(tmp) / "eagle3")
+        load_eagle3(Path(tmp) / "eagle3", target=llm.target)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "eagle3", out_dir)
+    return out_dir
 
 
 def _argmax_tokens(llm: LLM, texts: list[str], num_windows: int, window: int, seed: int) -> torch.Tensor:
@@ -43,11 +71,12 @@ def _argmax_tokens(llm: LLM, texts: list[str], num_windows: int, window: int, se
     return torch.cat(out)
 
 
-def _pruned_eagle3(ranking: torch.Tensor, sizes: list[int], num_prompts: int, tokens: int) -> list[dict]:
-    """eagle3 with the full draft vocabulary and pruned to each size, prompts interleaved."""
+def _pruned_eagle3(ranking: torch.Tensor, sizes: list[int], num_prompts: int, tokens: int, drafter: Path) -> list[dict]:
+    """eagle3 with the drafter at `drafter` as it is and pruned to each size, prompts interleaved."""
     import statistics
 
-    llms = {V: LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(4, 8, 32)) for V in [0] + sizes}
+    llms = {V: LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(4, 8, 32), draft_model=str(drafter))
+            for V in [0] + sizes}
     for n, llm in llms.items():
         if n:
             llm.engine.draft_source.drafter.prune_vocab(ranking[:n])
@@ -64,7 +93,7 @@ def _pruned_eagle3(ranking: torch.Tensor, sizes: list[int], num_prompts: int, to
             stats[n].append(out.stats)
     rows = []
     for n, st in stats.items():
-        rows.append(dict(draft_vocab_size=n or ranking.numel(), mean_accepted_tokens=statistics.mean(s.mean_accepted_tokens for s in st),
+        rows.append(dict(draft_vocab_size=n or llms[0].engine.draft_source.drafter.config.draft_vocab_size, mean_accepted_tokens=statistics.mean(s.mean_accepted_tokens for s in st),
                          tokens_per_s=statistics.mean(s.tokens_per_s for s in st), draft_ms=statistics.mean(s.draft_ms for s in st)))
     for r in rows:
         r["speedup_vs_full"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
@@ -78,8 +107,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pruned", default="1024,512", help="pruned draft-vocabulary sizes to run eagle3 with")
     ap.add_argument("--spec-prompts", type=int, default=3, help="prompts per dataset for the eagle3 runs")
+    ap.add_argument("--drafter", type=Path, default=SHIPPED_DRAFTER, help="the unpruned EAGLE-3 drafter directory")
+    ap.add_argument("--export", type=int, default=None, metavar="N", help="write the drafter pruned to N tokens")
+    ap.add_argument("--export-dir", type=Path, default=SHIPPED_DRAFTER)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.export is not None and not 1 <= args.export <= 4096:
+        raise SystemExit(f"--export N must be in [1, 4096], got {args.export}")
     torch.set_num_threads(1)
     llm = LLM("moespec-tiny", policy="ar")
     V = llm.target.vocab_size
@@ -103,7 +137,8 @@ def main(argv=None) -> dict:
         keep[ranking[:n]] = True
         rows.append(dict(draft_vocab_size=n, heldout_argmax_coverage=float(keep[heldout].float().mean()),
                          greedy_output_coverage=float(keep[greedy_t].float().mean())))
-    spec = _pruned_eagle3(ranking, [int(n) for n in args.pruned.split(",") if n], args.spec_prompts, args.tokens)
+    spec = _pruned_eagle3(ranking, [int(n) for n in args.pruned.split(",") if n], args.spec_prompts, args.tokens,
+                          args.drafter)
     result = dict(benchmark="draft_vocab_coverage", eagle3_pruned=spec, model="moespec-tiny", calibration_tokens=int(calib.numel()),
                   heldout_tokens=int(heldout.numel()), greedy_tokens=len(greedy), rows=rows,
                   load_average=os.getloadavg()[0])
@@ -117,6 +152,9 @@ def main(argv=None) -> dict:
     print(json.dumps(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.export is not None:
+        print(f"pruned drafter ({args.export} tokens) written to",
+              export_pruned(llm, ranking, args.export, args.drafter, args.export_dir))
     return result
 
 

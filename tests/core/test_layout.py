@@ -70,3 +70,20 @@ def test_non_closed_or_misordered_selection_is_rejected():
         build_layout(tree, torch.tensor([[child]]), torch.tensor([0]))
     with pytest.raises(ValueError, match="parent-closed"):
         build_layout(tree, torch.tensor([[child, parent]]), torch.tensor([0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_host_layout_equals_the_tensor_path(seed):
+    """CPU layouts are built on host lists; every field must equal the tensor path's (dtype too)."""
+    from trtllm_moespec.core.layout import _build_layout_host, _build_layout_tensors
+
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 4))
+    tree = random_tree(rng, B, int(rng.integers(0, 16)))
+    selection = top_k_nodes(tree, int(rng.integers(0, 12)))
+    roots = torch.arange(B) + 3
+    host, tensors = _build_layout_host(tree, selection, roots), _build_layout_tensors(tree, selection, roots)
+    for name in ("node_idx", "token_ids", "depth", "parent_pos", "valid", "paths", "num_nodes"):
+        a, b = getattr(host, name), getattr(tensors, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name

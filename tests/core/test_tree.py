@@ -100,3 +100,50 @@ def test_empty_tree_and_top_k_errors():
     assert tree.num_nodes == 0 and score_order(tree).shape == (2, 0)
     with pytest.raises(ValueError):
         top_k_nodes(tree, -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seeds)
+def test_tree_buffer_grows_exactly_like_grow_tree(seed):
+    """In-place growth gives the nodes and frontiers of draft_root + grow_tree, padded frontiers included."""
+    from trtllm_moespec.core.tree import TreeBuffer
+
+    rng = np.random.default_rng(seed)
+    B, topk, steps = 2, int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    C = topk
+    probs = torch.tensor(rng.dirichlet(np.ones(topk + 1), size=B)[:, :topk], dtype=torch.float32)
+    ids = torch.tensor(rng.integers(0, 50, size=(B, topk)))
+    ref, ref_frontier = draft_root(ids, probs)
+    buf = TreeBuffer(B, topk + (steps - 1) * topk * C)
+    frontier = buf.add_root(ids, probs)
+    assert torch.equal(frontier, ref_frontier)
+    for _ in range(steps - 1):
+        if rng.random() < 0.3:  # pad some frontier slots, as the batched engine may
+            ref_frontier = torch.where(torch.tensor(rng.random((B, topk)) < 0.4), -1, ref_frontier)
+        child_ids = torch.tensor(rng.integers(0, 50, size=(B, topk, C)))
+        child_probs = torch.tensor(rng.dirichlet(np.ones(C + 1), size=(B, topk))[..., :C], dtype=torch.float32)
+        child_probs[0, 0, -1] = 0.0  # a zero-probability child never joins the frontier
+        ref, new_ref = grow_tree(ref, ref_frontier, child_ids, child_probs, topk)
+        frontier = buf.grow(ref_frontier, child_ids, child_probs, topk)
+        assert torch.equal(frontier, new_ref)
+        ref_frontier = new_ref
+    got = buf.tree()
+    for name in ("token_ids", "parents", "depth", "draft_probs", "log_scores", "valid"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    got.validate()
+
+
+def test_tree_buffer_dense_growth_and_bad_use():
+    from trtllm_moespec.core.tree import TreeBuffer
+
+    ref, frontier = draft_root(torch.tensor([[10, 11]]), torch.tensor([[0.6, 0.4]]))
+    child_ids, child_probs = torch.tensor([[[1, 2], [3, 4]]]), torch.tensor([[[0.5, 0.5], [0.9, 0.1]]])
+    ref, ref_frontier = grow_tree(ref, frontier, child_ids, child_probs, topk=2)
+    buf = TreeBuffer(1, 6)
+    buf.add_root(torch.tensor([[10, 11]]), torch.tensor([[0.6, 0.4]]))
+    assert torch.equal(buf.grow(frontier, child_ids, child_probs, 2, dense=True), ref_frontier)
+    assert torch.equal(buf.tree().log_scores, ref.log_scores) and torch.equal(buf.tree().parents, ref.parents)
+    with pytest.raises(ValueError, match="holds 6 nodes"):
+        buf.grow(ref_frontier, child_ids, child_probs, 2)
+    with pytest.raises(ValueError, match="empty TreeBuffer"):
+        buf.add_root(torch.tensor([[1]]), torch.tensor([[1.0]]))

@@ -213,3 +213,19 @@ def test_non_finite_logits_raise():
 def test_invalid_sampling_config(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_host_greedy_walk_equals_the_tensor_path(seed):
+    """CPU greedy verification walks on host lists; it must return exactly the tensor path's result."""
+    from trtllm_moespec.core.verify import _greedy_tree, _greedy_tree_host
+
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 4))
+    tree = random_tree(rng, B, int(rng.integers(0, 16)), vocab=3)  # small vocab: long accepted chains
+    layout = build_layout(tree, top_k_nodes(tree, int(rng.integers(0, 16))), torch.arange(B))
+    logits = torch.randn(B, layout.num_positions, 3, generator=torch.Generator().manual_seed(seed))
+    host, tensors = _greedy_tree_host(layout, logits), _greedy_tree(layout, logits)
+    for name in ("accepted_pos", "num_accepted", "emitted_ids", "num_emitted"):
+        assert torch.equal(getattr(host, name), getattr(tensors, name)), name

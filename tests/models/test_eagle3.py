@@ -220,3 +220,32 @@ def test_pruned_vocabulary_proposes_the_top_kept_tokens(target, tmp_path):
     assert torch.equal(tree.token_ids[0, :4], keep[full_logits.topk(4).indices])
     with pytest.raises(ValueError, match="empty draft vocabulary"):
         pruned.prune_vocab(torch.tensor([1]))  # 1 is not in the kept set
+
+
+def test_fused_inference_forward_equals_the_unfused_layer(target, drafter):
+    """No-grad forwards use concatenated q/k/v and gate/up weights; they must match the module math
+    (the grad path), also after a weight changes in place (the fused copies are rebuilt)."""
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    hidden = target.prefill(target.new_cache(), ids).hidden
+
+    def both():
+        with torch.no_grad():
+            fused = drafter(hidden, input_ids=ids)
+        with torch.enable_grad():
+            plain = drafter(hidden, input_ids=ids)
+        for name in ("logits", "hidden", "keys", "values"):
+            torch.testing.assert_close(getattr(fused, name), getattr(plain, name).detach(), atol=1e-5, rtol=1e-5)
+        return fused
+
+    before = both()
+    weight = drafter.midlayer.self_attn.k_proj.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(1.5)
+    try:
+        after = both()
+        assert not torch.allclose(after.keys, before.keys)  # the rebuilt fused weights saw the change
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    torch.testing.assert_close(both().logits, before.logits, atol=0, rtol=0)

@@ -163,3 +163,21 @@ def test_a_tree_at_the_position_limit_fits_in_the_cache():
     tree = DraftTree.from_parents(torch.arange(8)[None], parents, torch.full((1, 8), 0.5))
     out = target.verify(cache, build_layout(tree, torch.arange(8)[None], torch.tensor([5])))
     assert out.logits.shape == (1, 9, 128) and bool(torch.isfinite(out.logits).all())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5])
+def test_looped_experts_equal_the_grouped_gemm(arch, num_tokens):
+    """The CPU per-expert matmul paths (one token; a few pairs) compute the same layer output as
+    the grouped GEMM, biases and clamped SwiGLU included."""
+    from trtllm_moespec.models.moe import gpt_oss_weights, qwen3_moe_weights, route, routed_experts
+
+    config = qwen3_moe_config() if arch == "qwen3_moe" else gpt_oss_config()
+    mlp = build_hf(config).model.layers[0].mlp
+    router, experts = gpt_oss_weights(mlp) if arch == "gpt_oss" else qwen3_moe_weights(mlp)
+    x = torch.randn(num_tokens, config.hidden_size, generator=torch.Generator().manual_seed(num_tokens))
+    ids, weights = route(x, router)
+    grouped = routed_experts(x, ids, weights, experts, looped=False)
+    looped = routed_experts(x, ids, weights, experts, looped=True)
+    torch.testing.assert_close(looped, grouped, atol=1e-6, rtol=0)
+    assert looped.abs().sum() > 0  # the layer really computed something

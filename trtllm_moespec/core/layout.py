@@ -93,6 +93,15 @@ def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor
     """
     B, K = node_idx.shape
     device = tree.token_ids.device
+    if device.type == "cpu" and node_idx.device.type == "cpu":
+        return _build_layout_host(tree, node_idx, root_ids)
+    return _build_layout_tensors(tree, node_idx, root_ids)
+
+
+def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+    """build_layout in tensor ops (no host loop: the device path)."""
+    B, K = node_idx.shape
+    device = tree.token_ids.device
     if tree.num_nodes == 0 and bool((node_idx >= 0).any()):
         raise ValueError("selection names nodes but the tree is empty")
     sel_valid = node_idx >= 0
@@ -124,6 +133,69 @@ def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor
         valid=valid,
         paths=_paths(full_parent, full_depth, valid),
         num_nodes=sel_valid.sum(1),
+    )
+
+
+def _build_layout_host(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+    """build_layout on host lists for CPU tensors: the same layout and the same errors.
+
+    A step's tree is a few dozen nodes, so plain Python over lists costs less than the
+    ~30 small tensor ops (a few microseconds of dispatch each) of the tensor path.
+    """
+    B, K = node_idx.shape
+    N = tree.num_nodes
+    sel = node_idx.tolist()
+    if N == 0 and any(n >= 0 for row in sel for n in row):
+        raise ValueError("selection names nodes but the tree is empty")
+    if N == 0:  # a plain step: the root alone (or padding)
+        parents = tokens = depths = valid = [[] for _ in range(B)]
+    else:
+        parents, tokens, depths, valid = (t.tolist() for t in (tree.parents, tree.token_ids, tree.depth, tree.valid))
+    if any(n >= N for row in sel for n in row):
+        raise IndexError(f"selected node index out of range for a tree of {N} nodes")
+    if any(n >= 0 and not valid[b][n] for b, row in enumerate(sel) for n in row):
+        raise ValueError("selection contains a padded (invalid) tree node")
+    roots = root_ids.reshape(B).tolist()
+    out_nodes, out_tokens, out_depth, out_parent, out_valid, out_paths, counts = [], [], [], [], [], [], []
+    for b, row in enumerate(sel):
+        pos_of = {n: j for j, n in enumerate(row, 1) if n >= 0}  # tree node -> layout position
+        node_row, tok_row, depth_row, parent_row, valid_row = [], [roots[b]], [0], [-1], [True]
+        for j, n in enumerate(row, 1):
+            if n < 0:
+                node_row.append(-1), tok_row.append(roots[b]), depth_row.append(0), parent_row.append(-1)
+                valid_row.append(False)
+                continue
+            tp = parents[b][n]
+            pp = pos_of.get(tp, 0) if tp >= 0 else 0
+            if pp >= j or (tp >= 0 and pp == 0):
+                raise ValueError("selection is not parent-closed and ordered: a node comes before (or without) its parent")
+            node_row.append(n), tok_row.append(tokens[b][n]), depth_row.append(depths[b][n]), parent_row.append(pp)
+            valid_row.append(True)
+        out_nodes.append(node_row), out_tokens.append(tok_row), out_depth.append(depth_row)
+        out_parent.append(parent_row), out_valid.append(valid_row), counts.append(len(pos_of))
+    max_depth = max((d for row in out_depth for d in row), default=0)
+    for b in range(B):
+        rows = []
+        for j in range(K + 1):
+            path = [-1] * (max_depth + 1)
+            p = j if out_valid[b][j] else -1
+            for _ in range(max_depth + 1):  # as many hops as the tensor path walks
+                if p < 0:
+                    break
+                path[out_depth[b][p]] = p
+                p = out_parent[b][p]
+            rows.append(path)
+        out_paths.append(rows)
+    device = tree.token_ids.device
+    as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=device).reshape(B, -1)  # noqa: E731
+    return TreeLayout(
+        node_idx=as_long(out_nodes),
+        token_ids=as_long(out_tokens),
+        depth=as_long(out_depth),
+        parent_pos=as_long(out_parent),
+        valid=torch.tensor(out_valid, dtype=torch.bool, device=device).reshape(B, K + 1),
+        paths=torch.tensor(out_paths, dtype=torch.int64, device=device).reshape(B, K + 1, max_depth + 1),
+        num_nodes=torch.tensor(counts, dtype=torch.int64, device=device),
     )
 
 

@@ -191,14 +191,98 @@ def grow_tree(
         log_scores=torch.cat([tree.log_scores, child_log.reshape(B, F * C)], 1),
         valid=torch.cat([tree.valid, child_valid.reshape(B, F * C)], 1),
     )
-    k = min(topk, F * C)
-    flat_log = child_log.reshape(B, F * C)
-    top_pos = (-flat_log).argsort(dim=1, stable=True)[:, :k]  # stable: ties go to the earlier child
+    return grown, _next_frontier(child_log.reshape(B, F * C), N, topk).to(device)
+
+
+class TreeBuffer:
+    """A draft tree grown in place: `draft_root` then `grow_tree` steps without concatenation.
+
+    The node tensors are preallocated for `capacity` nodes; `tree()` is a DraftTree of views of the
+    first `num_nodes` columns (cheap enough to hand to a stop rule before every step). `add_root` and
+    `grow` produce exactly the nodes and frontiers of `draft_root` and `grow_tree`. A view handed out
+    stays valid: later steps only write columns past it.
+    """
+
+    def __init__(self, batch_size: int, capacity: int, device: torch.device | str = "cpu"):
+        if batch_size < 1 or capacity < 0:
+            raise ValueError(f"TreeBuffer needs batch_size >= 1 and capacity >= 0, got {batch_size}, {capacity}")
+        B, N = batch_size, capacity
+        self.token_ids = torch.zeros(B, N, dtype=torch.int64, device=device)
+        self.parents = torch.full((B, N), -1, dtype=torch.int64, device=device)
+        self.depth = torch.zeros(B, N, dtype=torch.int64, device=device)
+        self.draft_probs = torch.zeros(B, N, dtype=torch.float32, device=device)
+        self.log_scores = torch.full((B, N), _NEG_INF, dtype=torch.float32, device=device)
+        self.valid = torch.zeros(B, N, dtype=torch.bool, device=device)
+        self.num_nodes = 0
+
+    def tree(self) -> DraftTree:
+        n = self.num_nodes
+        return DraftTree(self.token_ids[:, :n], self.parents[:, :n], self.depth[:, :n], self.draft_probs[:, :n],
+                         self.log_scores[:, :n], self.valid[:, :n])
+
+    def _take(self, count: int) -> tuple[int, int]:
+        """Columns [n, n + count) for new nodes."""
+        n, m = self.num_nodes, self.num_nodes + count
+        if m > self.token_ids.shape[1]:
+            raise ValueError(f"TreeBuffer holds {self.token_ids.shape[1]} nodes; {m} needed")
+        return n, m
+
+    def add_root(self, token_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """`draft_root` into an empty buffer: token_ids, probs [B, topk] -> frontier [B, topk]."""
+        if self.num_nodes:
+            raise ValueError("add_root needs an empty TreeBuffer")
+        B, topk = token_ids.shape
+        n, m = self._take(topk)
+        probs = probs.float()
+        self.token_ids[:, n:m] = token_ids
+        self.depth[:, n:m] = 1
+        self.draft_probs[:, n:m] = probs
+        self.log_scores[:, n:m] = probs.clamp(max=1.0).log()
+        self.valid[:, n:m] = True
+        self.num_nodes = m
+        return torch.arange(topk, device=token_ids.device).expand(B, topk).clone()
+
+    def grow(self, frontier: torch.Tensor, child_ids: torch.Tensor, child_probs: torch.Tensor, topk: int,
+             dense: bool = False) -> torch.Tensor:
+        """`grow_tree` in place: frontier [B, F] (-1 = padded), children [B, F, C] -> new frontier
+        [B, topk]. dense=True: the caller guarantees no padded frontier entry (skips the masking)."""
+        B, F, C = child_ids.shape
+        n, m = self._take(F * C)
+        f_safe = frontier if dense else frontier.clamp(min=0)
+        child_log = self.log_scores.gather(1, f_safe)[:, :, None] + child_probs.float().clamp(min=0.0, max=1.0).log()
+        parent_depth = self.depth.gather(1, f_safe)
+        if dense:
+            parents, depth = f_safe, parent_depth + 1
+        else:
+            frontier_valid = frontier >= 0
+            child_log = torch.where(frontier_valid[:, :, None], child_log, _NEG_INF)
+            parents = torch.where(frontier_valid, f_safe, -1)
+            depth = torch.where(frontier_valid, parent_depth + 1, 0)
+        # [B, m - n] column slices split into [B, F, C]: parent values broadcast over C children
+        self.token_ids[:, n:m].view(B, F, C).copy_(child_ids)
+        self.parents[:, n:m].view(B, F, C).copy_(parents[:, :, None])
+        self.depth[:, n:m].view(B, F, C).copy_(depth[:, :, None])
+        self.draft_probs[:, n:m].view(B, F, C).copy_(child_probs)
+        self.log_scores[:, n:m].view(B, F, C).copy_(child_log)
+        if dense:
+            self.valid[:, n:m] = True
+        else:
+            self.valid[:, n:m].view(B, F, C).copy_(frontier_valid[:, :, None])
+        self.num_nodes = m
+        return _next_frontier(child_log.reshape(B, F * C), n, topk)
+
+
+def _next_frontier(flat_log: torch.Tensor, offset: int, topk: int) -> torch.Tensor:
+    """[B, topk] node idx of the top-`topk` children by score (ties go to the earlier child), -1 for
+    children scoring 0 and past the last child; flat_log [B, M] holds the children of nodes offset..."""
+    B, M = flat_log.shape
+    k = min(topk, M)
+    top_pos = (-flat_log).argsort(dim=1, stable=True)[:, :k]
     top_log = flat_log.gather(1, top_pos)
-    new_frontier = torch.where(top_log > _NEG_INF, top_pos + N, -1)
+    frontier = torch.where(top_log > _NEG_INF, top_pos + offset, -1)
     if k < topk:
-        new_frontier = torch.cat([new_frontier, new_frontier.new_full((B, topk - k), -1)], 1)
-    return grown, new_frontier.to(device)
+        frontier = torch.cat([frontier, frontier.new_full((B, topk - k), -1)], 1)
+    return frontier
 
 
 def score_order(tree: DraftTree) -> torch.Tensor:

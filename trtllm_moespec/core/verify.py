@@ -53,6 +53,8 @@ def draw_uniforms(
     for b in range(batch_size):
         g = generators[b] if generators else None
         rows.append(torch.rand(num_positions + 1, generator=g, dtype=torch.float64))
+    if len(rows) == 1:
+        return rows[0][None]
     return torch.stack(rows) if rows else torch.zeros(0, num_positions + 1, dtype=torch.float64)
 
 
@@ -75,6 +77,8 @@ def verify_tree(
     if T == 1:  # no draft nodes: a plain decoding step
         return _plain_step(layout, target_logits, configs, uniforms)
     if all(c.greedy for c in configs):
+        if target_logits.device.type == "cpu":
+            return _greedy_tree_host(layout, target_logits)
         return _greedy_tree(layout, target_logits)
     children = _children(layout)  # [B, T, C]
     D = layout.max_depth
@@ -129,6 +133,37 @@ def _greedy_tree(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResul
     if not torch.isfinite(seen[visited >= 0]).all():
         raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
     return _result(layout, visited[:, 1:], depth[rows, last], best[rows, last])
+
+
+def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResult:
+    """_greedy_tree for CPU tensors: the walk itself on host lists, argmax at visited nodes only.
+
+    Layout order puts every child after its parent, so one forward scan finds, for the
+    current node, its first child (in layout order) carrying the argmax token, then
+    continues from that child: the walk of the rule, in O(T) Python steps instead of
+    ~25 small tensor ops.
+    """
+    B, T = layout.token_ids.shape
+    D = layout.max_depth
+    parent, tokens, valid = layout.parent_pos.tolist(), layout.token_ids.tolist(), layout.valid.tolist()
+    accepted, emitted, num = [], [], []
+    for b in range(B):
+        cur, path = 0, []
+        best = int(target_logits[b, 0].argmax())  # argmax at visited nodes only (a few of the T rows)
+        for j in range(1, T):
+            if valid[b][j] and parent[b][j] == cur and tokens[b][j] == best:
+                path.append(j)
+                cur = j
+                best = int(target_logits[b, j].argmax())
+        if not torch.isfinite(target_logits[b, [0] + path]).all():
+            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        accepted.append(path + [-1] * (D - len(path)))
+        emitted.append([tokens[b][j] for j in path] + [best] + [-1] * (D - len(path)))
+        num.append(len(path))
+    device = target_logits.device
+    num_accepted = torch.tensor(num, dtype=torch.int64, device=device)
+    return VerifyResult(torch.tensor(accepted, dtype=torch.int64, device=device).reshape(B, D), num_accepted,
+                        torch.tensor(emitted, dtype=torch.int64, device=device).reshape(B, D + 1), num_accepted + 1)
 
 
 def _plain_step(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],

@@ -18,7 +18,7 @@ import torch
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
-from ..core.policies import ArPolicy, Selection, SelectionPolicy
+from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
@@ -112,7 +112,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         draft = source.draft(state, context, device)
         remaining = request.max_tokens - len(request.output_ids)
-        tree = limit_depth(draft.tree, remaining - 1)  # deeper nodes could never be emitted
+        tree = limit_depth(draft.tree, remaining - 1) if draft.tree.num_nodes else draft.tree  # deeper nodes could never be emitted
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -123,8 +123,11 @@ class SpecEngine:
         target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target and speculate else None
         # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
         valued = with_values(tree, values.values(tree, draft, context)) if values is not None and speculate else tree
-        selection = self._select(valued, experts, root_bits, target_scores) if speculate else _PLAIN.select(tree)
-        layout = build_layout(tree, selection.node_idx, torch.tensor([root], device=tree.token_ids.device))
+        if speculate and self.policy.drafts:
+            node_idx = (selection := self._select(valued, experts, root_bits, target_scores)).node_idx
+        else:  # a plain step (or policy "ar") verifies the root alone: no selection to run
+            selection, node_idx = None, torch.empty(1, 0, dtype=torch.int64, device=tree.token_ids.device)
+        layout = build_layout(tree, node_idx, torch.tensor([root], device=tree.token_ids.device))
         t_select = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -133,7 +136,7 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
-        if values is not None and speculate:  # the step's own outcome updates the request's value model (no extra forward)
+        if values is not None and selection is not None:  # the step's own outcome updates the request's value model (no extra forward)
             t0 = time.perf_counter()
             values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
             t_select += time.perf_counter() - t0
@@ -201,13 +204,15 @@ class SpecEngine:
         return request.finish_reason is not None
 
 
-_PLAIN = ArPolicy()  # the selection of a plain step: the root alone
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     """Mean over MoE layers of distinct experts woken by the verified tokens."""
     ids = out.expert_ids[0]  # [T, L, topk]
     L = ids.shape[1]
+    if ids.device.type == "cpu":  # a few hundred ints: Python sets beat a scatter of tensor ops
+        rows = ids.transpose(0, 1).reshape(L, -1).tolist()
+        return sum(len(set(r)) for r in rows) / L
     onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
     onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
     return float(onehot.sum(1).float().mean())

@@ -194,6 +194,20 @@ def _rotary(c: Eagle3Config) -> nn.Module:
     return LlamaRotaryEmbedding(lc)
 
 
+@dataclass(frozen=True)
+class _FusedWeights:
+    """Inference-only concatenations of the checkpoint's weights (the checkpoint's tensor names and the
+    state dict are unchanged): one matmul for q/k/v, one for gate/up, one norm for both attention inputs."""
+
+    key: tuple  # (data_ptr, version) of every source weight, to notice replacements and in-place updates
+    qkv: torch.Tensor  # [(Hq + 2 * KVH) * D, 2H]
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+    input_norms: torch.Tensor  # [2, H] input_layernorm (embedding half), hidden_norm (hidden half)
+    post_attention_norm: torch.Tensor  # [H]
+    final_norm: torch.Tensor  # [H]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -214,6 +228,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.rotary_emb = _rotary(config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D]
+        self._fused: _FusedWeights | None = None  # inference weights, built on first use (_fused_weights)
+        self._rope_signed_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (source cos table, [P, 2, 1, D])
 
     # ------------------------------------------------------------------ network
     def forward(
@@ -239,7 +255,7 @@ class Eagle3Drafter(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = F.embedding(input_ids, self.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
         embeds = embeds.to(self.fc.weight.dtype)
         h = hidden_states.to(self.fc.weight.dtype)
         if h.shape[-1] == self.fc.in_features:
@@ -253,8 +269,9 @@ class Eagle3Drafter(nn.Module):
             position_ids = torch.arange(S, S + T, device=h.device).expand(B, T)
         if attention_mask is None:
             attention_mask = causal_mask(S, T, h.dtype, h.device)
-        # Functional calls on the modules' parameters: the same math, without nn.Module call overhead
-        # on the per-step drafting path.
+        if not torch.is_grad_enabled():  # inference: fused weights (no autograd through them needed)
+            return self._forward_fused(embeds, h, position_ids, attention_mask, past_kv, cache_kv, S)
+        # Functional calls on the modules' parameters: the same math, without nn.Module call overhead.
         layer, eps = self.midlayer, self.config.rms_norm_eps
         x = torch.cat([_rms(embeds, layer.input_layernorm.weight, eps), _rms(h, layer.hidden_norm.weight, eps)], dim=-1)
         attn, keys, values = self._attention(x, position_ids, attention_mask, past_kv, cache_kv, S)
@@ -274,6 +291,13 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self._rope(x, position_ids)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        return self._attend(q, k, v, attention_mask, past_kv, cache_kv, start)
+
+    def _attend(self, q, k, v, attention_mask, past_kv, cache_kv, start: int):
+        """Attention of q [B, Hq, T, D] over the past keys/values and k, v [B, KVH, T, D] (written into
+        cache_kv at start.. when given), then o_proj -> ([B, T, H], k, v)."""
+        a = self.midlayer.self_attn
+        B, _, T, _ = q.shape
         if cache_kv is not None:  # write in place, read the prefix and this forward's keys as views
             cache_kv[0, :, :, start:start + T] = k
             cache_kv[1, :, :, start:start + T] = v
@@ -286,9 +310,77 @@ class Eagle3Drafter(nn.Module):
         out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
         return out, k, v
 
+    def _forward_fused(self, embeds, h, position_ids, attention_mask, past_kv, cache_kv, start: int) -> Eagle3Output:
+        """The layer with q/k/v in one matmul, gate/up in one matmul, both input norms in one and rotary
+        on q and k together (same math as the unfused path; per-op overhead dominates at these sizes)."""
+        fused, eps = self._fused_weights(), self.config.rms_norm_eps
+        a = self.midlayer.self_attn
+        B, T, H = h.shape
+        x = _rms(torch.stack([embeds, h], dim=2), fused.input_norms, eps).view(B, T, 2 * H)
+        heads = a.num_heads + 2 * a.num_kv_heads
+        qkv = F.linear(x, fused.qkv).view(B, T, heads, a.head_dim)
+        cos, sin_signed = self._rope_signed(qkv, position_ids)
+        qk = qkv[:, :, :a.num_heads + a.num_kv_heads]
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated), bit for bit
+        qk = qk * cos + qk.roll(a.head_dim // 2, dims=-1) * sin_signed
+        q = qk[:, :, :a.num_heads].transpose(1, 2)
+        k = qk[:, :, a.num_heads:].transpose(1, 2)
+        v = qkv[:, :, a.num_heads + a.num_kv_heads:].transpose(1, 2)
+        attn, keys, values = self._attend(q, k, v, attention_mask, past_kv, cache_kv, start)
+        h = h + attn
+        gate, up = F.linear(_rms(h, fused.post_attention_norm, eps), fused.gate_up).chunk(2, dim=-1)
+        h = h + F.linear(self.midlayer.mlp.act_fn(gate) * up, fused.down)
+        logits = F.linear(_rms(h, fused.final_norm, eps), self.lm_head.weight).float()
+        return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
+
+    def _fused_weights(self) -> "_FusedWeights":
+        """The concatenated weights, rebuilt whenever a source weight was replaced or modified in place
+        (load, .to(), training steps, a new module): keyed by each tensor's storage and version counter."""
+        sources = self._fused_sources()
+        key = tuple((t.data_ptr(), t._version) for t in sources)
+        if self._fused is None or self._fused.key != key:
+            with torch.no_grad():
+                self._fused = _FusedWeights(
+                    key=key, qkv=torch.cat(sources[:3]), gate_up=torch.cat(sources[4:6]), down=sources[6].detach(),
+                    input_norms=torch.stack(sources[7:9]), post_attention_norm=sources[9].detach(),
+                    final_norm=sources[10].detach())
+        return self._fused
+
+    def _fused_sources(self) -> tuple[torch.Tensor, ...]:
+        """q, k, v, o, gate, up, down, input_layernorm, hidden_norm, post_attention_layernorm, norm weights.
+        Read through the module dicts: nn.Module attribute lookups cost more than the check itself."""
+        layer = self._modules["midlayer"]._modules
+        attn, mlp = layer["self_attn"]._modules, layer["mlp"]._modules
+
+        def weight(module: nn.Module) -> torch.Tensor:
+            return module._parameters["weight"]
+
+        return (weight(attn["q_proj"]), weight(attn["k_proj"]), weight(attn["v_proj"]), weight(attn["o_proj"]),
+                weight(mlp["gate_proj"]), weight(mlp["up_proj"]), weight(mlp["down_proj"]),
+                weight(layer["input_layernorm"]), weight(layer["hidden_norm"]), weight(layer["post_attention_layernorm"]),
+                weight(self._modules["norm"]))
+
+    def _rope_signed(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin with its first half negated), each [B, T, 1, D], at position_ids [B, T]: one gather
+        from a [positions, 2, 1, D] table made from `_rope`'s (rebuilt when that one grows or changes)."""
+        source = self._rope_cos_sin(x, position_ids)
+        table = self._rope_signed_table
+        if table is None or table[0] is not source[0]:
+            cos, sin = source
+            half = sin.shape[-1] // 2
+            signed = torch.stack([cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)], dim=1)[:, :, None]
+            table = self._rope_signed_table = (source[0], signed)
+        cs = table[1][position_ids]  # [B, T, 2, 1, D]
+        return cs[:, :, 0], cs[:, :, 1]
+
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, D] gathered from a table the rotary module filled once (same float ops
         as calling it per forward; the table grows when a position past it appears)."""
+        cos, sin = self._rope_cos_sin(x, position_ids)
+        return cos[position_ids][:, None], sin[position_ids][:, None]
+
+    def _rope_cos_sin(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables [positions, D] in x's dtype/device, covering position_ids."""
         table = self._rope_table
         covered = table is not None and table[0].dtype == x.dtype and table[0].device == x.device
         # Once the table covers max_position_embeddings no position is checked (no host sync per forward).
@@ -297,7 +389,7 @@ class Eagle3Drafter(nn.Module):
             length = max(need, self.config.max_position_embeddings)
             cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
             table = self._rope_table = (cos[0], sin[0])
-        return table[0][position_ids][:, None], table[1][position_ids][:, None]
+        return table
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids: d + d2t[d]."""

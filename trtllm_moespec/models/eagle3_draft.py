@@ -5,8 +5,8 @@ committed drafter position). Each later step runs ONE drafter forward over the
 current frontier: a frontier node v feeds (embed(token v), pre-norm hidden of the
 forward that proposed v) at position `S - 1 + depth(v)`, attending to the whole
 drafter prefix, to its already-drafted ancestors and to itself (a tree mask). Its
-top-`topk` children are added via `core.grow_tree`, which keeps every child in the
-tree and makes the top-`topk` by score the next frontier. DDD's dynamic-depth rule
+top-`topk` children are added via `core.TreeBuffer.grow` (`core.grow_tree` in place), which
+keeps every child in the tree and makes the top-`topk` by score the next frontier. DDD's dynamic-depth rule
 (`core.ddd_should_stop`) may end drafting early. Tree keys are kept outside the
 drafter cache, so drafting never changes the cache: it always holds exactly the
 committed tokens.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..core.policies import ddd_should_stop
-from ..core.tree import DraftTree, draft_root, grow_tree
+from ..core.tree import DraftTree, TreeBuffer
 
 if TYPE_CHECKING:
     from .eagle3 import Eagle3Cache, Eagle3Drafter
@@ -62,42 +62,70 @@ def draft_eagle3_tree(
     attn = drafter.midlayer.self_attn
     max_slots = (steps - 1) * topk  # tree keys: one per expanded node, written after the committed ones
     kv = cache.reserve(S + max_slots, attn.num_kv_heads, attn.head_dim, cache.last_hidden.dtype, cache.last_hidden.device)
-    device = kv.device
+    device, capacity = kv.device, topk + max_slots * topk
 
     ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
-    tree, frontier = draft_root(ids[:, 0], probs[:, 0])
-    hiddens = [cache.last_hidden[:, None].expand(1, topk, -1)]
-    # ancestors[v, s]: the key in tree slot s belongs to an ancestor of node v (what v's query may see).
-    ancestors = torch.zeros(topk + max_slots * topk, max(max_slots, 1), dtype=torch.bool, device=device)
-    num_slots = num_forwards = block_start = 0
-    for _ in range(steps - 1):
+    nodes = TreeBuffer(1, capacity, device)
+    frontier = nodes.add_root(ids[:, 0], probs[:, 0])
+    node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
+    node_hidden[0, :topk] = cache.last_hidden[0]
+    masks = _TreeMasks(S, max_slots, capacity, topk, kv.dtype, device)
+    num_slots = num_forwards = 0
+    for step in range(steps - 1):
         f = frontier[0][frontier[0] >= 0]
         F_ = f.numel()
         if F_ == 0:
             break
-        if ddd_threshold is not None and bool(ddd_should_stop(tree.scores[:, f], ddd_threshold)[0]):
+        if ddd_threshold is not None and bool(ddd_should_stop(nodes.tree().scores[:, f], ddd_threshold)[0]):
             break
-        if should_expand is not None and not should_expand(tree, f):
+        if should_expand is not None and not should_expand(nodes.tree(), f):
             break
-        own = torch.arange(num_slots, num_slots + F_, device=device)  # the frontier's new key slots
-        visible = ancestors[f, :num_slots + F_].clone()  # [F, slots]
-        visible[torch.arange(F_, device=device), own] = True
+        n = nodes.num_nodes
         out = drafter(
-            hiddens[-1][:, f - block_start],  # the frontier always comes from the newest block of children
-            input_ids=tree.token_ids[:, f],
-            position_ids=(S - 1 + tree.depth[:, f]),
-            attention_mask=_frontier_mask(visible, S, kv.dtype),
+            node_hidden[:, f],  # the hidden of the forward that proposed each frontier node
+            input_ids=nodes.token_ids[:, f],
+            position_ids=torch.full((1, F_), S + step, dtype=torch.int64, device=device),  # S - 1 + depth
+            attention_mask=masks.frontier(f, num_slots),
             cache_kv=kv,
             cache_start=S + num_slots,
         )
         num_forwards += 1
         ids, probs = _top_children(drafter, out.logits, topk)  # [1, F, topk]
-        n = block_start = tree.num_nodes
-        tree, frontier = grow_tree(tree, f[None], ids, probs, topk)
-        ancestors[n:n + F_ * topk, :num_slots + F_] = visible.repeat_interleave(topk, dim=0)
+        frontier = nodes.grow(f[None], ids, probs, topk, dense=True)
+        masks.add_children(n, F_, topk, num_slots)
+        node_hidden[0, n:n + F_ * topk].view(F_, topk, -1).copy_(out.hidden[0, :, None])
         num_slots += F_
-        hiddens.append(out.hidden[:, :, None].expand(-1, -1, topk, -1).reshape(1, F_ * topk, -1))
-    return Eagle3Draft(tree=tree, node_hidden=torch.cat(hiddens, 1), num_forwards=num_forwards)
+    return Eagle3Draft(tree=nodes.tree(), node_hidden=node_hidden[:, :nodes.num_nodes], num_forwards=num_forwards)
+
+
+class _TreeMasks:
+    """Attention masks of tree drafting, kept up to date in place.
+
+    `rows[v]` is node v's additive visibility of the tree key slots (0 = an ancestor's key, written
+    when v is created from its parent's row); `mask` holds the committed prefix (always visible) and
+    the tree part of the current frontier's rows.
+    """
+
+    def __init__(self, prefix_len: int, max_slots: int, capacity: int, topk: int, dtype: torch.dtype, device):
+        hidden = torch.finfo(dtype).min
+        self.prefix_len = prefix_len
+        self.rows = torch.full((capacity, max(max_slots, 1)), hidden, dtype=dtype, device=device)
+        self.mask = torch.zeros(topk, prefix_len + max_slots, dtype=dtype, device=device)
+
+    def frontier(self, f: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """[1, 1, F, S + num_slots + F] for frontier nodes f [F], whose own keys go to the next F slots:
+        each sees the prefix, its ancestors' slots and its own slot."""
+        F_, S = f.numel(), self.prefix_len
+        mask = self.mask[:F_, :S + num_slots + F_]
+        mask[:, S:].copy_(self.rows[f, :num_slots + F_])  # the new slots are still hidden in these rows
+        mask[:, S + num_slots:].diagonal().zero_()
+        return mask[None, None]
+
+    def add_children(self, first: int, num_parents: int, topk: int, num_slots: int) -> None:
+        """Children first.. of the last frontier (topk per parent, in order) see what their parent saw."""
+        width = num_slots + num_parents
+        parents = self.mask[:num_parents, self.prefix_len:self.prefix_len + width]
+        self.rows[first:first + num_parents * topk, :width].view(num_parents, topk, width).copy_(parents[:, None])
 
 
 def _top_children(drafter: "Eagle3Drafter", logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +133,3 @@ def _top_children(drafter: "Eagle3Drafter", logits: torch.Tensor, topk: int) -> 
     probs = torch.softmax(logits.float(), dim=-1)
     top_p, top_d = probs.topk(topk, dim=-1)
     return drafter.to_target_ids(top_d), top_p
-
-
-def _frontier_mask(visible: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, F, S + slots] additive mask: the committed prefix visible to every frontier node,
-    tree slots as `visible` [F, slots] says (ancestors' keys and the node's own)."""
-    F_, slots = visible.shape
-    mask = torch.zeros(F_, prefix_len + slots, dtype=dtype, device=visible.device)
-    mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]

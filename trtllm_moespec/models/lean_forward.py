@@ -126,7 +126,10 @@ class LeanForward:
             cos, sin = self.rotary(self.embed[:1, None], pos)  # [1, max_len, D or D/2]
             if cos.shape[-1] != self.head_dim:  # GPT-OSS returns half-width tables for its half-split rotary
                 cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-            self._cos, self._sin = cos[0], sin[0]
+            half = self.head_dim // 2
+            # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: the sign lives in the table
+            # (negation is exact), so the rotary is 4 elementwise ops, bit-identical to transformers'.
+            self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)
         return self._cos[positions][:, None], self._sin[positions][:, None]  # [B, 1, T, D]
 
     # ------------------------------------------------------------------ forward
@@ -168,6 +171,8 @@ class LeanForward:
         return LeanOutput(logits=logits, hidden=torch.cat(hidden, dim=-1), expert_ids=torch.stack(expert_ids, dim=2))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op; same float ops as below
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gpt_oss:
@@ -193,6 +198,8 @@ class LeanForward:
         return F.linear(out, layer.o_proj, layer.o_bias)
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the per-head weights differ, so only the normalisation is fused
+            return weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)

@@ -253,17 +253,17 @@ class TargetModel:
         if cache.num_pending == 0:
             raise ValueError("commit() without a pending verify()")
         P, pending = cache.num_tokens, cache.num_pending
-        accepted = accepted_pos.reshape(-1).to(self.device)
-        accepted = accepted[accepted >= 0]
-        if accepted.numel() and (accepted.max() >= pending or accepted.min() < 1):
-            raise ValueError(f"accepted positions {accepted.tolist()} out of the layout range 1..{pending - 1}")
-        n = 1 + accepted.numel()
-        src = P + torch.cat([accepted.new_zeros(1), accepted])
+        accepted = [a for a in accepted_pos.reshape(-1).tolist() if a >= 0]  # a few ints: host lists
+        if accepted and (max(accepted) >= pending or min(accepted) < 1):
+            raise ValueError(f"accepted positions {accepted} out of the layout range 1..{pending - 1}")
+        n = 1 + len(accepted)
+        chain = accepted == list(range(1, n))  # the kept slots already sit behind the prefix, in order
         if self.lean is not None:  # one gather over all layers; rejected slots are overwritten later
-            cache.kv.commit(cache.slot, P, src)
+            if not chain:
+                cache.kv.commit(cache.slot, P, torch.tensor([P] + [P + a for a in accepted], device=self.device))
             cache.num_tokens, cache.num_pending = P + n, 0
             return
-        chain = bool(torch.equal(accepted.cpu(), torch.arange(1, n)))
+        src = torch.tensor([P] + [P + a for a in accepted], device=self.device)
         for layer in cache.kv.layers:
             if not chain:  # copy accepted slots down; the source is gathered first, so no aliasing
                 layer.keys[:, :, P : P + n] = layer.keys[:, :, src]
@@ -288,9 +288,9 @@ class TargetModel:
             raise ValueError("the cache has uncommitted tree slots: call commit() after verify()")
         if token_ids.dim() != 2 or token_ids.shape[0] != 1 or token_ids.shape[1] == 0:
             raise ValueError(f"expected token ids of shape [1, T>0], got {tuple(token_ids.shape)}")
-        if int(token_ids.max()) >= self.vocab_size or int(token_ids.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range "
-                             f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        low, high = (int(v) for v in torch.aminmax(token_ids))  # one reduction, one read back
+        if high >= self.vocab_size or low < 0:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range [{low}, {high}]")
 
     def _masks(self, build):
         """The attention-mask argument: one tensor, or the per-layer-type dict GPT-OSS takes."""
