@@ -16,6 +16,9 @@ from . import __version__
 # The policies `LLM` accepts (api.METHODS; a test keeps the two equal). Listed here so that `--help` and
 # argument errors do not wait for torch to import.
 POLICY_CHOICES = ("ar", "coverage", "ddd", "eagle3", "ecospec", "evict", "joint", "oracle")
+# Selections across a batch of requests: only `moespec serve` runs batches (serve.server maps each to
+# the per-request policy it loads and the batched engine it drives).
+BATCH_POLICY_CHOICES = ("joint-batch", "evict-batch", "ecospec-batch")  # = engine.batch.BATCH_POLICIES
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -72,14 +75,17 @@ def _device(text: str) -> str:
     return text
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) -> None:
+    """The model options every command shares; `batch_policies` adds the batch-level selections."""
+    policies = POLICY_CHOICES + (BATCH_POLICY_CHOICES if batch_policies else ())
     p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny' (the embedded model)")
     p.add_argument("--draft-model", default=None,
                    help="EAGLE-3 drafter directory (SpecForge format); default: the model's own, if it has one")
     p.add_argument("--drafter", default="eagle3", choices=["eagle3", "ngram"],
                    help="draft with the EAGLE-3 head or a weightless prompt-lookup (n-gram) drafter")
-    p.add_argument("--policy", default="joint", choices=POLICY_CHOICES, metavar="{" + ",".join(POLICY_CHOICES) + "}",
-                   help="which draft nodes to verify each step (see the README's policy table)")
+    p.add_argument("--policy", default="joint", choices=policies, metavar="{" + ",".join(policies) + "}",
+                   help="which draft nodes to verify each step (see the README's policy table)"
+                        + ("; X-batch: X's nodes chosen across the whole batch" if batch_policies else ""))
     p.add_argument("--tree", default="4,8,32", type=_tree,
                    help="steps,topk,max_draft_tokens of the draft tree (at most 4096 drafted nodes)")
     p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
