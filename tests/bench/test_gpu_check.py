@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,3 +26,35 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert [r["k"] for r in result["cost"]["rows"]] == [0, 1, 2, 4, 8, 16, 32]
     assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in result["cost"]["rows"])
     assert "tests kernels: exit" in proc.stdout and "tests engine: exit" in proc.stdout
+    sweep = result["batch_sweep"]
+    assert {(r["batch"], r["method"]) for r in sweep["rows"]} == {(b, m) for b in (1, 2, 4, 8)
+                                                                  for m in ("ar", "eagle3", "joint-batch")}
+    assert all(r["exact"] and r["tokens_per_s"] > 0 for r in sweep["rows"]) and sweep["skipped_batch_sizes"] == []
+    assert "batch sweep" in proc.stdout and "joint-batch" in proc.stdout
+
+
+def test_batch_sweep_flags_a_request_that_differs(monkeypatch):
+    """The exactness check can fail: a batched run whose last request's tokens differ from its
+    single-request ar output is recorded as not exact (and the script would exit 1)."""
+    from benchmarks import gpu_check
+    from trtllm_moespec.engine.batch import BatchedEngine
+
+    run_all = BatchedEngine.run_all
+
+    def corrupted(self, requests):
+        run_all(self, requests)
+        requests[-1].output_ids[-1] = (requests[-1].output_ids[-1] + 1) % 256
+
+    monkeypatch.setattr(BatchedEngine, "run_all", corrupted)
+    sweep = gpu_check.batch_sweep(torch.device("cpu"), tokens=3, repeats=1, budget_s=60, batch_sizes=(2,),
+                                  methods=("ar",))
+    assert [(r["batch"], r["exact"]) for r in sweep["rows"]] == [(2, False)]
+    assert not gpu_check.batch_sweep_exact(dict(batch_sweep=sweep))
+
+
+def test_batch_sweep_skips_batch_sizes_past_its_budget():
+    from benchmarks import gpu_check
+
+    sweep = gpu_check.batch_sweep(torch.device("cpu"), tokens=2, repeats=1, budget_s=0.0, batch_sizes=(1, 2),
+                                  methods=("ar",))
+    assert sweep["rows"] == [] and sweep["skipped_batch_sizes"] == [1, 2]
