@@ -17,7 +17,8 @@ forward they capture (`StaticVerify`), so CI runs every line of this script.
 
     python -m benchmarks.gpu_check --out DIR [--cpu-smoke]
 Writes DIR/gpu_check.json (after every section, so a timeout keeps what finished) and prints a
-summary. Exits 1 when a batch-sweep request's greedy tokens differ from its single-request
+summary. A section that raises is recorded as {"error": ...} and the others still run. Exits 1
+when a section failed or a batch-sweep request's greedy tokens differ from its single-request
 `ar` output (the JSON and summary are written first).
 """
 
@@ -28,6 +29,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -256,31 +258,44 @@ def main(argv=None) -> dict:
                                                                   - (time.perf_counter() - start))))),
     )
     for name, run in sections:
+        # A failing section is recorded and the others still run: one GPU session must bring back
+        # everything that works, not stop at the first CUDA-only failure.
         t0 = time.perf_counter()
-        result[name] = run()
+        try:
+            result[name] = run()
+        except Exception as exc:  # noqa: BLE001 (reported in the JSON and the summary, and exit status 1)
+            traceback.print_exc()
+            result[name] = dict(error=f"{type(exc).__name__}: {exc}")
         result.setdefault("section_s", {})[name] = time.perf_counter() - t0
         (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     _print_summary(result)
     return result
 
 
-def _print_summary(result: dict) -> None:
-    """The human-readable summary of `main`'s result (the JSON holds everything)."""
-    print(f"gpu check on {result['device']} (torch {result['torch']})")
-    for row in result["select_tree"]:
+def _print_select(rows: list[dict]) -> None:
+    for row in rows:
         print(f"  select_tree {row['mode']:8s} B={row['batch']}: {row['ms']:.3f} ms")
-    ar = result["ar"]
+
+
+def _print_ar(ar: dict) -> None:
     print(f"  moespec-tiny ar: lean {ar['lean_tokens_per_s']:.1f} tok/s, transformers generate "
           f"{ar['transformers_generate_tokens_per_s']:.1f} tok/s ({ar['ratio']:.2f}x)")
-    for row in result["graph_speed"]:
+
+
+def _print_graph_speed(rows: list[dict]) -> None:
+    for row in rows:
         print(f"  moespec-tiny {row['policy']}: graphs {row['graphs_tokens_per_s']:.1f} tok/s, eager "
               f"{row['eager_tokens_per_s']:.1f} tok/s, same tokens: {row['same_tokens']} (runner {row['runner']})")
-    cost = result["cost"]
+
+
+def _print_cost(cost: dict) -> None:
     print(f"  C(k) after {cost['prefix']} tokens ({cost['dtype']}, model built in {cost['build_s']:.0f} s; "
           f"{'graphs' if cost['graphs'] else 'static forward, no graphs on CPU'}):")
     for row in cost["rows"]:
         print(f"    k={row['k']:2d}  eager {row['eager_ms']:8.2f} ms   graph {row['graph_ms']:8.2f} ms")
-    sweep = result["batch_sweep"]
+
+
+def _print_batch_sweep(sweep: dict) -> None:
     print(f"  batch sweep, moespec-tiny, batched engine, {sweep['tokens']} new tokens per request "
           "(tokens/s; * = a request differs from its single-request ar output):")
     print("    " + "B".rjust(3) + "".join(m.rjust(14) for m in BATCH_METHODS))
@@ -290,15 +305,36 @@ def _print_summary(result: dict) -> None:
             (f"{cells[m]['tokens_per_s']:.1f}" + ("" if cells[m]["exact"] else "*")).rjust(14) for m in BATCH_METHODS))
     if sweep["skipped_batch_sizes"]:
         print(f"    skipped (time budget {sweep['budget_s']:.0f} s): B = {sweep['skipped_batch_sizes']}")
+
+
+_PRINTERS = dict(select_tree=_print_select, ar=_print_ar, graph_speed=_print_graph_speed, cost=_print_cost,
+                 batch_sweep=_print_batch_sweep)
+
+
+def _failed(section) -> bool:
+    return isinstance(section, dict) and "error" in section
+
+
+def _print_summary(result: dict) -> None:
+    """The human-readable summary of `main`'s result (the JSON holds everything)."""
+    print(f"gpu check on {result['device']} (torch {result['torch']})")
+    for name, printer in _PRINTERS.items():
+        if _failed(result[name]):
+            print(f"  {name}: FAILED ({result[name]['error']})")
+        else:
+            printer(result[name])
     print("  section times: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["section_s"].items()))
 
 
-def batch_sweep_exact(result: dict) -> bool:
-    """Whether every batch-sweep request produced its single-request `ar` tokens."""
+def passed(result: dict) -> bool:
+    """Every section ran, and every batch-sweep request produced its single-request `ar` tokens."""
+    if any(_failed(result[name]) for name in _PRINTERS):
+        return False
     return all(row["exact"] for row in result["batch_sweep"]["rows"])
 
 
 if __name__ == "__main__":
-    if not batch_sweep_exact(main()):
-        print("batch sweep: greedy output of the batched engine differs from single-request ar (see gpu_check.json)")
+    if not passed(main()):
+        print("gpu check: a section failed or the batched engine's greedy output differs from single-request ar "
+              "(see gpu_check.json)")
         raise SystemExit(1)

@@ -49,7 +49,10 @@ def test_batch_sweep_flags_a_request_that_differs(monkeypatch):
     sweep = gpu_check.batch_sweep(torch.device("cpu"), tokens=3, repeats=1, budget_s=60, batch_sizes=(2,),
                                   methods=("ar",))
     assert [(r["batch"], r["exact"]) for r in sweep["rows"]] == [(2, False)]
-    assert not gpu_check.batch_sweep_exact(dict(batch_sweep=sweep))
+    passing = dict(select_tree=[], ar={}, graph_speed=[], cost={}, batch_sweep=dict(sweep, rows=[]))
+    assert gpu_check.passed(passing)
+    assert not gpu_check.passed(dict(passing, batch_sweep=sweep))
+    assert not gpu_check.passed(dict(passing, cost=dict(error="RuntimeError: CUDA error")))
 
 
 def test_batch_sweep_skips_batch_sizes_past_its_budget():
@@ -58,3 +61,27 @@ def test_batch_sweep_skips_batch_sizes_past_its_budget():
     sweep = gpu_check.batch_sweep(torch.device("cpu"), tokens=2, repeats=1, budget_s=0.0, batch_sizes=(1, 2),
                                   methods=("ar",))
     assert sweep["rows"] == [] and sweep["skipped_batch_sizes"] == [1, 2]
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    from benchmarks import gpu_check
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    # The harness is under test here, not the measurements: every section but the broken one is a
+    # cheap stand-in of the right shape.
+    monkeypatch.setattr(gpu_check, "select_timings", broken)
+    monkeypatch.setattr(gpu_check, "ar_tokens_per_s", lambda *a, **k: dict(
+        lean_tokens_per_s=1.0, transformers_generate_tokens_per_s=1.0, ratio=1.0))
+    monkeypatch.setattr(gpu_check, "graph_speed", lambda *a, **k: [])
+    monkeypatch.setattr(gpu_check, "cost_table", lambda *a, **k: dict(prefix=1, dtype="f32", build_s=0.0,
+                                                                      graphs=False, rows=[]))
+    monkeypatch.setattr(gpu_check, "batch_sweep", lambda *a, **k: dict(tokens=1, rows=[], skipped_batch_sizes=[],
+                                                                       budget_s=0.0))
+    result = gpu_check.main(["--out", str(tmp_path), "--cpu-smoke"])
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["select_tree"] == {"error": "RuntimeError: CUDA error: an illegal memory access"}
+    assert set(saved["section_s"]) == {"select_tree", "ar", "graph_speed", "cost", "batch_sweep"}
+    assert "select_tree: FAILED (RuntimeError" in capsys.readouterr().out
+    assert not gpu_check.passed(result)
