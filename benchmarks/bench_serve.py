@@ -11,7 +11,8 @@ Per (method, c): tokens/s over the wall time of the whole load, TTFT (submit -> 
 token) p50/p99, inter-token latency p50/p99 (gaps between successive token deliveries of
 one request, a delivery carrying every token one step committed), Mat, batch size.
 
-    python -m benchmarks.bench_serve --methods ar,eagle3,ecospec,joint,joint-batch --concurrency 1,2,4,8 \\
+    python -m benchmarks.bench_serve --methods ar,eagle3,ecospec,joint,joint-batch,evict-batch,ecospec-batch \\
+        --concurrency 1,2,4,8 \\
         [--engine batched|round-robin] [--tokens 32] [--repeats 2] [--json PATH] [--md PATH] [--plot PATH]
 """
 
@@ -144,9 +145,10 @@ def plot(results: dict, methods: list[str], conc: list[int], path: str) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="moespec-tiny")
-    ap.add_argument("--methods", default="ar,eagle3,ecospec,joint,joint-batch")
+    ap.add_argument("--methods", default="ar,eagle3,ecospec,joint,joint-batch,evict-batch,ecospec-batch",
+                    help="policies; X-batch = policy X's nodes chosen across the batch (always the batched engine)")
     ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--engine", default="batched", help="batched or round-robin (joint-batch is always batched)")
+    ap.add_argument("--engine", default="batched", help="batched or round-robin (the X-batch methods are always batched)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
@@ -202,7 +204,7 @@ def main(argv=None) -> dict:
 
 
 def _engine_kind(method: str, engine: str) -> str:
-    return "joint-batch" if method == "joint-batch" else engine
+    return method if method.endswith("-batch") else engine
 
 
 if __name__ == "__main__":

@@ -2,14 +2,24 @@
 
 1. `moespec::select_tree` timings per mode on the device (64-node trees, 48 x 128 experts).
 2. AR tokens/s on moespec-tiny: our engine (lean forward) vs transformers `generate` (eager).
-3. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
+3. ar and eagle3 tokens/s of the engine on moespec-tiny with CUDA graphs on vs off (interleaved),
+   and whether both produce the same greedy tokens.
+4. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
    512-token prefix, eager and replayed from the verify-length bucket's CUDA graph, on a
    random-weight model with Qwen3-30B-A3B's shapes (bf16, 48 layers, 128 experts, top-8).
+5. Batch sweep on moespec-tiny: the batched engine (`engine.batch.BatchedEngine`, one target
+   forward per step for the whole batch) at B = 1, 2, 4, 8 requests submitted together, for
+   `ar`, `eagle3` and `joint-batch`: tokens/s (all requests' new tokens over the wall time),
+   and per B whether every request's greedy tokens equal its single-request `ar` output.
+   A time budget bounds it: batch sizes not started within it are listed as skipped.
 `--cpu-smoke`: tiny shapes and few repeats on the CPU, graphs replaced by the static-shape
-forward they capture, so CI runs every line of this script.
+forward they capture (`StaticVerify`), so CI runs every line of this script.
 
     python -m benchmarks.gpu_check --out DIR [--cpu-smoke]
-Writes DIR/gpu_check.json and prints a summary.
+Writes DIR/gpu_check.json (after every section, so a timeout keeps what finished) and prints a
+summary. A section that raises is recorded as {"error": ...} and the others still run. Exits 1
+when a section failed or a batch-sweep request's greedy tokens differ from its single-request
+`ar` output (the JSON and summary are written first).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,6 +41,14 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
             max_position_embeddings=1024)
+BATCH_SIZES = (1, 2, 4, 8)
+BATCH_METHODS = ("ar", "eagle3", "joint-batch")  # X-batch: policy X's nodes chosen across the batch
+# Distinct prompts, one per request slot (the first B serve batch size B), the same for every method.
+BATCH_PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def push(self, x):\n", "import numpy as np\n\ndef mean(",
+                 "for i in range(10):\n    print(", "# sort a list of numbers\ndef sort(xs):\n",
+                 "def is_prime(n: int) -> bool:\n", "with open(path) as f:\n    for line in f:\n",
+                 "def merge(a, b):\n    out = []\n")
+SWEEP_MARGIN_S = 30.0  # the sweep starts no batch size later than this before the time limit
 
 
 def _sync(device: torch.device) -> None:
@@ -86,6 +105,82 @@ def ar_tokens_per_s(device: torch.device, tokens: int, repeats: int) -> dict:
     return dict(lean_tokens_per_s=lean, transformers_generate_tokens_per_s=ref, ratio=lean / ref)
 
 
+def graph_speed(device: torch.device, tokens: int, repeats: int) -> list[dict]:
+    """Engine tokens/s with the verify forward replayed from CUDA graphs vs eager, per policy,
+    interleaved; on the CPU smoke run the "graphs" side is the static-shape forward they capture."""
+    from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec.models.cuda_graphs import verify_buckets
+
+    rows = []
+    for policy in ("ar", "eagle3"):
+        on = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=device.type == "cuda",
+                 override_profile=True)
+        if device.type != "cuda":
+            on.target.use_verify_runner("static", verify_buckets(on.tree.max_draft_tokens))
+        off = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=False, override_profile=True)
+        ids = on.encode(["def fibonacci(n):\n"])[0]
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        first = {name: llm.generate([ids], params)[0].token_ids for name, llm in (("on", on), ("off", off))}
+        speed = {"on": [], "off": []}
+        for _ in range(repeats):  # interleaved
+            for name, llm in (("on", on), ("off", off)):
+                speed[name].append(llm.generate([ids], params)[0].stats.tokens_per_s)
+        rows.append(dict(policy=policy, graphs_tokens_per_s=statistics.median(speed["on"]),
+                         eager_tokens_per_s=statistics.median(speed["off"]), same_tokens=first["on"] == first["off"],
+                         runner=on.target.verify_runner))
+    return rows
+
+
+def _run_batch(engine, llm, prompts: list[list[int]], params) -> tuple[list[list[int]], float]:
+    """All prompts submitted together to one batched engine, run to completion; each request's
+    tokens and the batch's new tokens per second (wall time of the whole run)."""
+    requests = [llm.make_request(ids, params) for ids in prompts]
+    _sync(llm.target.device)
+    t0 = time.perf_counter()
+    engine.run_all(requests)
+    _sync(llm.target.device)
+    elapsed = time.perf_counter() - t0
+    return [r.output_ids for r in requests], sum(len(r.output_ids) for r in requests) / elapsed
+
+
+def batch_sweep(device: torch.device, tokens: int, repeats: int, budget_s: float,
+                batch_sizes: tuple[int, ...] = BATCH_SIZES, methods: tuple[str, ...] = BATCH_METHODS) -> dict:
+    """Batched-engine tokens/s per (B, method), methods interleaved per repeat, with the greedy
+    exactness check: every request of every run equals its single-request `ar` output. Batch
+    sizes not started within `budget_s` seconds are skipped (listed), so the script's time budget holds."""
+    from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec.engine.batch import BatchedEngine
+
+    if max(batch_sizes) > len(BATCH_PROMPTS):
+        raise ValueError(f"batch sizes up to {len(BATCH_PROMPTS)} (one distinct prompt per request)")
+    llms = {m: LLM("moespec-tiny", policy=m.removesuffix("-batch"), device=str(device)) for m in methods}
+    ref_llm = llms["ar"] if "ar" in llms else LLM("moespec-tiny", policy="ar", device=str(device))
+    prompts = [ref_llm.encode([p])[0] for p in BATCH_PROMPTS[:max(batch_sizes)]]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)  # greedy, fixed length
+    alone = [ref_llm.generate([ids], params)[0].token_ids for ids in prompts]
+    rows: list[dict] = []
+    skipped: list[int] = []
+    t0 = time.perf_counter()
+    for batch in batch_sizes:
+        if time.perf_counter() - t0 > budget_s:
+            skipped.append(batch)
+            continue
+        # One engine per (method, B), as a server with max batch size B; its first run warms it up
+        # (joint-batch learns its per-batch-size costs and goodput guard online) and is checked too.
+        engines = {m: BatchedEngine(llms[m].engine, batch, batch_policy=m if m.endswith("-batch") else None)
+                   for m in methods}
+        exact = {m: _run_batch(engines[m], llms[m], prompts[:batch], params)[0] == alone[:batch] for m in methods}
+        speed: dict[str, list[float]] = {m: [] for m in methods}
+        for _ in range(repeats):  # interleaved, so machine drift hits every method alike
+            for m in methods:
+                outputs, tokens_per_s = _run_batch(engines[m], llms[m], prompts[:batch], params)
+                exact[m] = exact[m] and outputs == alone[:batch]
+                speed[m].append(tokens_per_s)
+        rows += [dict(batch=batch, method=m, tokens_per_s=statistics.median(speed[m]), exact=exact[m]) for m in methods]
+    return dict(model="moespec-tiny", tokens=tokens, repeats=repeats, budget_s=budget_s, rows=rows,
+                skipped_batch_sizes=skipped)
+
+
 def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) -> dict:
     """C(k) eager and with CUDA graphs (CPU smoke: the static-shape forward instead of replay)."""
     import transformers
@@ -111,11 +206,10 @@ def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) ->
     target._pool.ensure_len(prefix + max(buckets) + 1)
     gen = torch.Generator().manual_seed(0)
     target.prefill(cache, torch.randint(0, shapes["vocab_size"], (1, prefix), generator=gen))
-    graphs = None
-    if device.type == "cuda":
-        from trtllm_moespec.models.cuda_graphs import VerifyGraphs
+    from trtllm_moespec.models.cuda_graphs import StaticVerify, VerifyGraphs
 
-        graphs = VerifyGraphs(target.lean, target._pool, cache.slot, buckets)
+    runner_cls = VerifyGraphs if device.type == "cuda" else StaticVerify
+    graphs = runner_cls(target.lean, target._pool, cache.slot, buckets)
     prefix_t = torch.tensor([prefix], device=device)
     rows = []
     for k in K_VALUES:
@@ -129,19 +223,19 @@ def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) ->
         def eager():
             target.verify(cache, layout)
             target.discard(cache)
-        if graphs is not None:
-            graphed = lambda: graphs.run(ids, pos, prefix_t, mask)  # noqa: E731
-        else:
-            graphed = lambda: target.lean.forward_static(target._pool, ids, pos, (cache.slot,), prefix_t, mask)  # noqa: E731
+        graphed = lambda: graphs.run(ids, pos, prefix_t, mask)  # noqa: E731
         rows.append(dict(k=k, eager_ms=_median_ms(eager, device, repeats), graph_ms=_median_ms(graphed, device, repeats)))
-    return dict(shapes=shapes, dtype=str(dtype), prefix=prefix, build_s=build_s, graphs=graphs is not None, rows=rows)
+    return dict(shapes=shapes, dtype=str(dtype), prefix=prefix, build_s=build_s, graphs=device.type == "cuda", rows=rows)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (CI)")
+    ap.add_argument("--time-limit", type=float, default=float(os.environ.get("MEASURE_TIMEOUT", 200)),
+                    help="seconds this run may take (gpu_check.sh's MEASURE_TIMEOUT): bounds the batch sweep")
     args = ap.parse_args(argv)
+    start = time.perf_counter()
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke on a CPU machine")
@@ -149,25 +243,98 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1 if smoke else torch.get_num_threads())
     result = dict(device=torch.cuda.get_device_name() if not smoke else "cpu (smoke)", torch=torch.__version__,
                   cpu_smoke=smoke)
-    result["select_tree"] = select_timings(device, repeats=2 if smoke else 50)
-    result["ar"] = ar_tokens_per_s(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)
-    result["cost"] = cost_table(device, TINY if smoke else QWEN3_30B_A3B, prefix=16 if smoke else 512,
-                                repeats=2 if smoke else 20)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"gpu check on {result['device']} (torch {result['torch']})")
-    for row in result["select_tree"]:
+    sections = (
+        ("select_tree", lambda: select_timings(device, repeats=2 if smoke else 50)),
+        ("ar", lambda: ar_tokens_per_s(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)),
+        ("graph_speed", lambda: graph_speed(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)),
+        ("cost", lambda: cost_table(device, TINY if smoke else QWEN3_30B_A3B, prefix=16 if smoke else 512,
+                                    repeats=2 if smoke else 20)),
+        # Last, so a slow sweep cannot cost the sections above; few tokens and repeats, and a budget
+        # (what is left of the time limit less a margin for the batch size under way, at most 60 s),
+        # keep its 12 (B, method) cells inside the script's 6 minutes.
+        ("batch_sweep", lambda: batch_sweep(device, tokens=6 if smoke else 32, repeats=1 if smoke else 2,
+                                            budget_s=max(0.0, min(60.0, args.time_limit - SWEEP_MARGIN_S
+                                                                  - (time.perf_counter() - start))))),
+    )
+    for name, run in sections:
+        # A failing section is recorded and the others still run: one GPU session must bring back
+        # everything that works, not stop at the first CUDA-only failure.
+        t0 = time.perf_counter()
+        try:
+            result[name] = run()
+        except Exception as exc:  # noqa: BLE001 (reported in the JSON and the summary, and exit status 1)
+            traceback.print_exc()
+            result[name] = dict(error=f"{type(exc).__name__}: {exc}")
+        result.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    _print_summary(result)
+    return result
+
+
+def _print_select(rows: list[dict]) -> None:
+    for row in rows:
         print(f"  select_tree {row['mode']:8s} B={row['batch']}: {row['ms']:.3f} ms")
-    ar = result["ar"]
+
+
+def _print_ar(ar: dict) -> None:
     print(f"  moespec-tiny ar: lean {ar['lean_tokens_per_s']:.1f} tok/s, transformers generate "
           f"{ar['transformers_generate_tokens_per_s']:.1f} tok/s ({ar['ratio']:.2f}x)")
-    cost = result["cost"]
+
+
+def _print_graph_speed(rows: list[dict]) -> None:
+    for row in rows:
+        print(f"  moespec-tiny {row['policy']}: graphs {row['graphs_tokens_per_s']:.1f} tok/s, eager "
+              f"{row['eager_tokens_per_s']:.1f} tok/s, same tokens: {row['same_tokens']} (runner {row['runner']})")
+
+
+def _print_cost(cost: dict) -> None:
     print(f"  C(k) after {cost['prefix']} tokens ({cost['dtype']}, model built in {cost['build_s']:.0f} s; "
           f"{'graphs' if cost['graphs'] else 'static forward, no graphs on CPU'}):")
     for row in cost["rows"]:
         print(f"    k={row['k']:2d}  eager {row['eager_ms']:8.2f} ms   graph {row['graph_ms']:8.2f} ms")
-    return result
+
+
+def _print_batch_sweep(sweep: dict) -> None:
+    print(f"  batch sweep, moespec-tiny, batched engine, {sweep['tokens']} new tokens per request "
+          "(tokens/s; * = a request differs from its single-request ar output):")
+    print("    " + "B".rjust(3) + "".join(m.rjust(14) for m in BATCH_METHODS))
+    for batch in sorted({row["batch"] for row in sweep["rows"]}):
+        cells = {row["method"]: row for row in sweep["rows"] if row["batch"] == batch}
+        print("    " + str(batch).rjust(3) + "".join(
+            (f"{cells[m]['tokens_per_s']:.1f}" + ("" if cells[m]["exact"] else "*")).rjust(14) for m in BATCH_METHODS))
+    if sweep["skipped_batch_sizes"]:
+        print(f"    skipped (time budget {sweep['budget_s']:.0f} s): B = {sweep['skipped_batch_sizes']}")
+
+
+_PRINTERS = dict(select_tree=_print_select, ar=_print_ar, graph_speed=_print_graph_speed, cost=_print_cost,
+                 batch_sweep=_print_batch_sweep)
+
+
+def _failed(section) -> bool:
+    return isinstance(section, dict) and "error" in section
+
+
+def _print_summary(result: dict) -> None:
+    """The human-readable summary of `main`'s result (the JSON holds everything)."""
+    print(f"gpu check on {result['device']} (torch {result['torch']})")
+    for name, printer in _PRINTERS.items():
+        if _failed(result[name]):
+            print(f"  {name}: FAILED ({result[name]['error']})")
+        else:
+            printer(result[name])
+    print("  section times: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["section_s"].items()))
+
+
+def passed(result: dict) -> bool:
+    """Every section ran, and every batch-sweep request produced its single-request `ar` tokens."""
+    if any(_failed(result[name]) for name in _PRINTERS):
+        return False
+    return all(row["exact"] for row in result["batch_sweep"]["rows"])
 
 
 if __name__ == "__main__":
-    main()
+    if not passed(main()):
+        print("gpu check: a section failed or the batched engine's greedy output differs from single-request ar "
+              "(see gpu_check.json)")
+        raise SystemExit(1)

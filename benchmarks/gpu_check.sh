@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests, select_tree timings,
-# lean-engine vs transformers AR tokens/s, and C(k) with and without CUDA graphs on a
-# random-weight Qwen3-30B-A3B-shaped model (benchmarks/gpu_check.py). JSON goes under $OUT.
+# The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests (graphs on/off), select_tree timings,
+# lean-engine vs transformers AR tokens/s, ar/eagle3 tokens/s with CUDA graphs on vs off, C(k) with and without CUDA graphs on a
+# random-weight Qwen3-30B-A3B-shaped model, and a batch sweep (batched engine at B = 1, 2, 4, 8: ar/eagle3/joint-batch
+# tokens/s, each request's greedy tokens checked against single-request ar) (benchmarks/gpu_check.py). JSON goes under $OUT.
 #
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   OUT=/tmp/smoke bash benchmarks/gpu_check.sh --cpu-smoke  # tiny shapes on CPU (CI runs this)
 #
 # TEST_TIMEOUT / MEASURE_TIMEOUT (seconds, default 75 / 200) bound each pytest run and the
-# measurements, so the whole script stays under 6 minutes.
+# measurements, so the whole script stays under 6 minutes (the batch sweep, last, skips the batch sizes it
+# cannot start 30 s before MEASURE_TIMEOUT). Exit status 1 if a test, a measurement or the sweep's exactness check fails.
 # Nothing is installed from the network: the project is used in place through PYTHONPATH
 # (the GPU machine already has torch, triton and transformers).
 set -uo pipefail
@@ -34,6 +36,6 @@ echo "== gpu check ${SMOKE:-(full)} -> $OUT"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 run_tests kernels tests/kernels/test_cuda.py
 run_tests engine tests/engine/test_cuda_engine.py
-timeout "${MEASURE_TIMEOUT:-200}" "$PY" -m benchmarks.gpu_check --out "$OUT" $SMOKE || status=1
+timeout "${MEASURE_TIMEOUT:-200}" "$PY" -m benchmarks.gpu_check --out "$OUT" --time-limit "${MEASURE_TIMEOUT:-200}" $SMOKE || status=1
 echo "== done (status $status); JSON: $OUT/gpu_check.json"
 exit $status

@@ -121,9 +121,12 @@ class LLM:
         model_impl: str = "lean",
         values: str = "calibrated",
         threads: int | None = 1,
+        cuda_graphs: bool | None = None,
     ):
         """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
-        ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py)."""
+        ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py);
+        cuda_graphs: replay the verify forward (plain steps included) from one CUDA graph per verify-length
+        bucket (models/cuda_graphs.py); None = on for CUDA with model_impl='lean', off otherwise."""
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
         if drafter not in ("eagle3", "ngram"):
@@ -136,11 +139,14 @@ class LLM:
             raise ValueError(f"draft_stop must be None (auto), True or False, got {draft_stop!r}")
         if values not in VALUE_KINDS:
             raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None (auto), True or False, got {cuda_graphs!r}")
         _check_argument_types(model=model, draft_model=draft_model, cost_profile=cost_profile, predictor=predictor,
                               ddd_threshold=ddd_threshold, policy_options=policy_options)
         self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
         parse_dtype(dtype)
         set_cpu_threads(threads, self.device)
+        self.cuda_graphs = _resolve_cuda_graphs(cuda_graphs, self.device, model_impl, ep)
         # Cheap checks first, the model before anything derived from it: a bad checkpoint directory, a
         # missing profile or drafter, or a tree the drafter cannot draft fails before any weights load.
         self.paths: ModelPaths = resolve_model(str(model), draft_model, predictor)
@@ -177,6 +183,10 @@ class LLM:
         if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
             self.target = ep.leader_target(self.target, self.paths.target, dtype, model_impl)
             placement = ep.placement
+        if self.cuda_graphs:  # captured lazily, one bucket at a time, on first use
+            from .models.cuda_graphs import verify_buckets
+
+            self.target.use_verify_runner("graphs", verify_buckets(tree.max_draft_tokens))
         self.tokenizer = _load_tokenizer(self.paths.target)
         options = dict(policy_options or {})
         if placement is not None and ep_pricing and policy in ("ecospec", "joint"):
@@ -190,6 +200,10 @@ class LLM:
             source = Eagle3Source(eagle3, tree.steps, tree.topk,
                                   ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None),
                                   stop_rule)
+            if self.cuda_graphs:  # a step commits at most steps + 1 tokens (the accepted path and the bonus)
+                from .models.cuda_graphs import make_drafter_runner, verify_buckets
+
+                source.extend_runner = make_drafter_runner("graphs", eagle3, verify_buckets(tree.steps))
         elif needs.drafts:
             from .models.ngram import NgramConfig, NgramDrafter
 
@@ -415,6 +429,18 @@ def _build_stop_rule(policy: str, draft_stop: bool | None, profile: CostTable | 
                              "re-profile with `moespec profile`")
         return None
     return DraftStopRule(profile.costs, profile.draft_forward, tree.steps)
+
+
+def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:
+    """Whether the verify forward replays CUDA graphs: on by default for CUDA + lean (the graphs
+    capture the lean static-shape forward), never elsewhere; asking for them where they cannot run
+    is an error rather than a silent eager run."""
+    possible = device.type == "cuda" and model_impl == "lean" and ep is None
+    if requested and not possible:
+        why = ("the target is on " + str(device)) if device.type != "cuda" else (
+            "model_impl='hf' runs transformers' forward" if model_impl != "lean" else "expert parallelism is on")
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, model_impl='lean' and no --ep; {why}")
+    return possible if requested is None else requested
 
 
 def _device_selector(device: torch.device):

@@ -16,6 +16,9 @@ from . import __version__
 # The policies `LLM` accepts (api.METHODS; a test keeps the two equal). Listed here so that `--help` and
 # argument errors do not wait for torch to import.
 POLICY_CHOICES = ("ar", "coverage", "ddd", "eagle3", "ecospec", "evict", "joint", "oracle")
+# Selections across a batch of requests: only `moespec serve` runs batches (serve.server maps each to
+# the per-request policy it loads and the batched engine it drives).
+BATCH_POLICY_CHOICES = ("joint-batch", "evict-batch", "ecospec-batch")  # = engine.batch.BATCH_POLICIES
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -72,20 +75,26 @@ def _device(text: str) -> str:
     return text
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) -> None:
+    """The model options every command shares; `batch_policies` adds the batch-level selections."""
+    policies = POLICY_CHOICES + (BATCH_POLICY_CHOICES if batch_policies else ())
     p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny' (the embedded model)")
     p.add_argument("--draft-model", default=None,
                    help="EAGLE-3 drafter directory (SpecForge format); default: the model's own, if it has one")
     p.add_argument("--drafter", default="eagle3", choices=["eagle3", "ngram"],
                    help="draft with the EAGLE-3 head or a weightless prompt-lookup (n-gram) drafter")
-    p.add_argument("--policy", default="joint", choices=POLICY_CHOICES, metavar="{" + ",".join(POLICY_CHOICES) + "}",
-                   help="which draft nodes to verify each step (see the README's policy table)")
+    p.add_argument("--policy", default="joint", choices=policies, metavar="{" + ",".join(policies) + "}",
+                   help="which draft nodes to verify each step (see the README's policy table)"
+                        + ("; X-batch: X's nodes chosen across the whole batch" if batch_policies else ""))
     p.add_argument("--tree", default="4,8,32", type=_tree,
                    help="steps,topk,max_draft_tokens of the draft tree (at most 4096 drafted nodes)")
     p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="weights and activations")
     p.add_argument("--model-impl", default="lean", choices=["lean", "hf"],
                    help="target forward: lean (ours, static KV cache) or hf (transformers, the reference)")
+    p.add_argument("--cuda-graphs", default=None, action=argparse.BooleanOptionalAction,
+                   help="replay the verify forward from one CUDA graph per verify-length bucket (default: on for "
+                        "--device cuda with --model-impl lean, off otherwise)")
     p.add_argument("--cost-profile", default=None,
                    help="cost_profile.json for evict/joint (default: the model's own), or roofline:H200 for an "
                         "unmeasured estimate")
@@ -117,7 +126,7 @@ def _llm_from_args(args, ep=None):
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
                drafter=args.drafter, override_profile=args.override_profile, values=args.values,
                model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True),
-               guard=args.guard, draft_stop=args.draft_stop)
+               guard=args.guard, draft_stop=args.draft_stop, cuda_graphs=args.cuda_graphs)
 
 
 def read_prompt_file(path: str) -> str:

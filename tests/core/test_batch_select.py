@@ -10,7 +10,9 @@ from hypothesis import given, settings
 
 from tests.core.strategies import random_eagle_tree, random_experts, random_tree, seeds
 from trtllm_moespec.core import DraftTree, ExpertCostModel, ExpertSets, make_policy
-from trtllm_moespec.core.batch_select import joint_batch_select
+from trtllm_moespec.core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.core.tree import gather_nodes, score_order
 from trtllm_moespec.core.select import path_bits
 
 
@@ -102,3 +104,104 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="do not match"):
         joint_batch_select(z, z.long(), z.bool(), torch.zeros(2, 3, 1, dtype=torch.int64),
                            torch.zeros(1, 1, dtype=torch.int64), ExpertCostModel(1, 0, 0), 4, 4)
+
+
+def _evict_inputs(tree: DraftTree, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's EVICT order (valid nodes, -1 after) and its scores in that order."""
+    order = score_order(tree)[:, :cap]
+    order = torch.where(gather_nodes(tree.valid, order, False), order, -1)
+    return order, gather_nodes(tree.scores, order, 0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_evict_batch_for_one_request_equals_evict(seed):
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, 1, 12)
+    costs = np.cumsum(np.concatenate([[rng.uniform(0.5, 2)], rng.uniform(0, 0.2, 12)]))
+    table = CostTable(tuple(float(c) for c in costs))
+    want = make_policy("evict", cost_table=table).select(tree)
+    order, scores = _evict_inputs(tree, table.max_nodes)
+    got = evict_batch_select(order, scores, costs, 12)
+    k = int(want.num_selected[0])
+    assert got.num_selected.tolist() == [k] and got.node_idx[0, :k].tolist() == want.node_idx[0, :k].tolist()
+    assert got.predicted_cost == pytest.approx(costs[k])
+
+
+def test_evict_batch_gives_nodes_to_the_request_whose_nodes_are_likelier():
+    # request 0 drafts a confident chain (path scores 0.9, 0.72), request 1 an unlikely one (0.2, 0.02).
+    tree = DraftTree.from_parents(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[-1, 0], [-1, 0]]),
+                                  torch.tensor([[0.9, 0.8], [0.2, 0.1]]))
+    order, scores = _evict_inputs(tree, 2)
+    costs = np.array([2.0, 2.1, 2.2, 2.9, 3.0])  # C_2(k): the third node is dear
+    sel = evict_batch_select(order, scores, costs, 4)
+    # Utilities (2 + S_k) / C_2(k): k=0 1.0, k=1 2.9/2.1 = 1.38, k=2 3.62/2.2 = 1.65, k=3 3.82/2.9 = 1.32.
+    assert sel.node_idx.tolist() == [[0, 1]] + [[-1, -1]] and sel.num_selected.tolist() == [2, 0]
+    assert sel.expected_tokens == pytest.approx(3.62) and sel.predicted_cost == pytest.approx(2.2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_evict_batch_takes_a_prefix_of_each_requests_order_within_the_cap(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    tree = random_tree(rng, B, 10)
+    order, scores = _evict_inputs(tree, int(rng.integers(1, 10)))  # orders narrower than the trees
+    total = int(rng.integers(0, 20))
+    costs = np.cumsum(np.concatenate([[1.0], rng.uniform(0, 0.02, total)]))
+    sel = evict_batch_select(order, scores, costs, total)
+    assert int(sel.num_selected.sum()) <= total
+    for b in range(B):
+        k = int(sel.num_selected[b])
+        nodes = sel.node_idx[b, :k].tolist()
+        assert nodes == order[b, :k].tolist() and all(n >= 0 for n in nodes)  # a prefix: parent-closed
+        for i, n in enumerate(nodes):
+            parent = int(tree.parents[b, n])
+            assert parent == -1 or parent in nodes[:i]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_ecospec_batch_for_one_request_equals_ecospec(seed):
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, 1, 12)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=5)
+    root = random_experts(rng, DraftTree.from_parents(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]),
+                                                      torch.ones(1, 1)), 2, 8, 2).bits[:, 0]
+    budget = int(rng.integers(1, 8))
+    want = make_policy("ecospec", budget=budget).select(tree, experts, root)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    got = ecospec_batch_select(tree.scores, tree.parents, tree.valid, traj, root, 1e-3, budget, 12)
+    k = int(want.num_selected[0])
+    assert got.num_selected.tolist() == [k] and got.node_idx[0, :k].tolist() == want.node_idx[0, :k].tolist()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seeds)
+def test_ecospec_batch_fills_its_budget_parent_closed(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 5))
+    tree = random_tree(rng, B, 10)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=6)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    roots = torch.zeros(B, traj.shape[2], dtype=torch.int64)
+    total, per_request = int(rng.integers(0, 20)), int(rng.integers(0, 6))
+    sel = ecospec_batch_select(tree.scores, tree.parents, tree.valid, traj, roots, 1e-3, total, per_request)
+    available = int(torch.clamp(tree.valid.sum(1), max=per_request).sum())
+    assert int(sel.num_selected.sum()) == min(total, available) and int(sel.num_selected.max()) <= per_request
+    for b in range(B):
+        nodes = sel.node_idx[b, : int(sel.num_selected[b])].tolist()
+        for i, n in enumerate(nodes):
+            parent = int(tree.parents[b, n])
+            assert bool(tree.valid[b, n]) and (parent == -1 or parent in nodes[:i])
+
+
+def test_batch_variants_reject_bad_inputs():
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="eps"):
+        ecospec_batch_select(z, z.long(), z.bool(), torch.zeros(2, 3, 1, dtype=torch.int64),
+                             torch.zeros(2, 1, dtype=torch.int64), 0.0, 4, 4)
+    with pytest.raises(ValueError, match="positive seconds"):
+        evict_batch_select(torch.zeros(2, 3, dtype=torch.int64), z, np.array([1.0, -1.0]), 4)
+    with pytest.raises(ValueError, match="must both be"):
+        evict_batch_select(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 2), np.array([1.0]), 4)

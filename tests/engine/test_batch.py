@@ -6,6 +6,8 @@ and retired requests give their cache slots back."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,8 @@ import transformers
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.core.cost import ExpertCostModel
 from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
-from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.engine.batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from trtllm_moespec.core.layout import build_layout
 from trtllm_moespec.core.tree import DraftTree
 
@@ -84,6 +87,112 @@ def test_plain_steps_defer_the_drafter_and_stay_exact(checkpoints, references_qw
     engine.run_all(requests)
     assert [r.output_ids for r in requests] == references_qwen
     assert {(4, True), (4, False)} <= set(guard._goodput)  # both modes ran at batch size 4
+
+
+class _Scripted(GoodputGuard):
+    """A guard that speculates on the listed engine steps only (the schedule is the test's input)."""
+
+    def __init__(self, speculative_steps: set[int]):
+        super().__init__()
+        self.speculative_steps, self.step = speculative_steps, 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.step += 1
+        return self.step in self.speculative_steps
+
+
+def _count_drafter_forwards(llm, monkeypatch) -> list[int]:
+    drafter, calls = llm.engine.draft_source.drafter, [0]
+    forward = drafter.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "forward", counted)
+    return calls
+
+
+def test_plain_batch_steps_run_no_drafter_forward(checkpoints, references_qwen, monkeypatch):
+    """A batch that never speculates never runs the drafter (not even its prompt prefill)."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    calls = _count_drafter_forwards(llm, monkeypatch)
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, goodput_guard=_Scripted(set())).run_all(requests)
+    assert [r.output_ids for r in requests] == references_qwen and calls[0] == 0
+
+
+@pytest.mark.parametrize("schedule", [{6, 7, 12}, {2, 16, 17, 18}, {36, 38, 39}])
+def test_a_drafter_started_late_catches_up_exactly(checkpoints, references_qwen, monkeypatch, schedule):
+    """Plain steps first, the drafter started at the batch's first speculative step (prompt prefill,
+    then the missed plain steps in one catch-up), including a request past the early-step cap."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    calls = _count_drafter_forwards(llm, monkeypatch)
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    long = llm.make_request(PROMPTS[0], SamplingParams(max_tokens=45, ignore_eos=True))  # 32 early steps + more
+    engine = BatchedEngine(llm.engine, max_batch_size=3, joint_batch=True, goodput_guard=_Scripted(schedule))
+    _drive(engine, [long] + requests, admit_every=3)
+    assert [r.output_ids for r in requests] == references_qwen
+    assert long.output_ids[:MAX_TOKENS] == references_qwen[0]
+    assert calls[0] > 0 and any(s.verified_tokens > 0 for r in requests + [long] for s in r.steps)
+
+
+@pytest.mark.parametrize("policy", ["evict", "ecospec"])
+def test_batch_variants_keep_greedy_output_exact(checkpoints, references_qwen, policy):
+    """evict-batch / ecospec-batch: nodes chosen across the batch, requests joining mid-way;
+    every request still decodes exactly what transformers' greedy generate does."""
+    llm = _llm(checkpoints, "qwen3_moe", policy, predictor="oracle")
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    # evict's costs made cheap per node (the random test drafter rarely pays): the test is about exactness
+    # when many nodes of several requests are verified.
+    costs = BatchTableCosts(CostTable((1.0,) + tuple(1.0 + 1e-6 * k for k in range(1, 33))), measure=False)
+    engine = BatchedEngine(llm.engine, max_batch_size=3, batch_policy=f"{policy}-batch", goodput_guard=False,
+                           costs=costs if policy == "evict" else None)
+    _drive(engine, requests, admit_every=2)
+    assert [r.output_ids for r in requests] == references_qwen and engine.num_active == 0
+    assert any(s.verified_tokens > 0 for r in requests for s in r.steps)  # it did speculate
+    assert engine.guard is None and (engine.costs is None) == (policy == "ecospec")
+
+
+def test_batch_policy_needs_its_loaded_policy(checkpoints):
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    with pytest.raises(ValueError, match="policy 'evict'"):
+        BatchedEngine(llm.engine, 2, batch_policy="evict-batch")
+    with pytest.raises(ValueError, match="unknown batch policy"):
+        BatchedEngine(llm.engine, 2, batch_policy="eagle3-batch")
+    with pytest.raises(ValueError, match="contradicts"):
+        BatchedEngine(llm.engine, 2, joint_batch=True, batch_policy="evict-batch")
+
+
+class _Recording(_Scripted):
+    """A scripted guard that keeps what the engine reports for each step."""
+
+    def __init__(self, speculative_steps: set[int]):
+        super().__init__(speculative_steps)
+        self.records: list[tuple[int, bool, int, float]] = []
+
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        self.records.append((batch_size, speculated, tokens, seconds))
+
+
+def test_the_guard_times_the_iteration_without_the_prefills_beside_it(checkpoints, monkeypatch):
+    """Requests admitted mid-way prefill in the same engine step as the running ones iterate; the
+    guard must not charge those prefills to the step's mode (they would bias it at random)."""
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    prefill = llm.target.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(llm.target, "prefill", slow_prefill)
+    guard = _Recording({3, 4, 8})
+    requests = [llm.make_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    t0 = time.perf_counter()
+    _drive(BatchedEngine(llm.engine, max_batch_size=4, joint_batch=True, goodput_guard=guard), requests, admit_every=2)
+    assert time.perf_counter() - t0 > 0.3 * len(PROMPTS)
+    assert len(guard.records) > len(PROMPTS) and {spec for _, spec, _, _ in guard.records} == {True, False}
+    assert max(seconds for *_, seconds in guard.records) < 0.25  # no step carries a 0.3 s prefill
 
 
 def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trtllm_moespec.core.cost import ExpertCostModel
-from trtllm_moespec.engine.batch_cost import BatchCosts, GoodputGuard
+from trtllm_moespec.core.cost import CostTable
+from trtllm_moespec.engine.batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 
 
 def test_batch_costs_measure_the_intercept_per_batch_size():
@@ -19,6 +20,15 @@ def test_batch_costs_measure_the_intercept_per_batch_size():
     fixed = BatchCosts(ExpertCostModel(0.01, 0.001, 0.0001), measure=False)
     fixed.record(4, 10, 100, 1.0)
     assert fixed.model(4).c0 == pytest.approx(0.04)
+
+
+def test_batch_table_costs_shift_the_profiled_table_by_a_measured_intercept():
+    costs = BatchTableCosts(CostTable((0.010, 0.012, 0.016)))
+    assert costs.table(1, 2).tolist() == pytest.approx([0.010, 0.012, 0.016])  # one request: the profile
+    assert costs.table(4, 4).tolist() == pytest.approx([0.040, 0.042, 0.046, 0.049, 0.052])  # mean slope past K
+    for seconds in (0.030, 0.031, 0.040):
+        costs.record(4, num_nodes=3, unique_pairs=0, seconds=seconds)
+    assert costs.table(4, 1).tolist() == pytest.approx([0.031 - 0.009, 0.031 - 0.009 + 0.002])
 
 
 def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
@@ -56,8 +66,27 @@ def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
     guard.record(2, True, 4, 1.0)
     guard.record(2, False, 4, 0.5)  # at B=2 plain wins
     assert guard.speculate(4) is False and guard.speculate(1) is False  # so neighbours start plain...
-    guard.record(4, False, 8, 0.5)
-    assert guard.speculate(4) is True  # ...and still measures speculation once
+    steps = 0
+    while not guard.speculate(4):  # ...and follow B=2 until the engine's one probe countdown runs out
+        guard.record(4, False, 8, 0.5)
+        steps += 1
+    assert steps == 50  # (1.0 / 0.5 - 1) / 0.02 from B=2, not one probe per newly seen batch size
+    guard.record(4, True, 8, 1.0)  # the probe measures speculation at B=4 itself: it loses there too
+    assert guard.num_probes == 1 and guard.speculate(4) is False and guard._until_probe == 50
+
+
+def test_batch_size_drift_does_not_cost_a_probe_per_size():
+    """Under continuous batching the size moves every few steps; only the countdown probes."""
+    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05)
+    guard.record(8, True, 8, 0.5)
+    guard.record(8, False, 8, 0.1)  # plain wins 5x: probes every (0.5 / 0.1 - 1) / 0.05 = 80 steps
+    choices = []
+    for step in range(200):
+        b = 8 - step % 5  # 8, 7, 6, 5, 4, 8, ...
+        spec = guard.speculate(b)
+        choices.append(spec)
+        guard.record(b, spec, b, 0.5 if spec else 0.1)
+    assert sum(choices) == 2 and guard.num_probes == 2
 
 
 def test_guard_rejects_bad_settings():
@@ -65,3 +94,18 @@ def test_guard_rejects_bad_settings():
         GoodputGuard(alpha=0)
     with pytest.raises(ValueError):
         GoodputGuard(probe_every=64, max_probe_every=32)
+
+
+def test_a_probe_that_beats_the_winner_is_not_backed_off():
+    guard = GoodputGuard(alpha=0.1, probe_every=4, max_probe_every=64, probe_overhead=0.5)
+    guard.record(2, True, 2, 1.0)
+    guard.record(2, False, 4, 1.0)  # plain 4 tokens/s wins over 2
+    for _ in range(3):  # losing probes: the interval doubles 4 -> 8 -> 16 -> 32
+        while not guard.speculate(2):
+            guard.record(2, False, 4, 1.0)
+        guard.record(2, True, 2, 1.0)
+    assert guard._interval == 32
+    while not guard.speculate(2):
+        guard.record(2, False, 4, 1.0)
+    guard.record(2, True, 6, 1.0)  # 6 tokens/s beats plain's 4, but the slow average still says plain
+    assert guard.speculate(2) is False and guard._interval == 4

@@ -1,6 +1,7 @@
 """CUDA checks of the lean engine (skipped without CUDA; `benchmarks/gpu_check.sh` runs them):
-greedy output on moespec-tiny equals transformers `generate` on the same GPU, and a verify
-replayed from its bucket's CUDA graph equals the eager verify forward."""
+greedy output on moespec-tiny equals transformers `generate` on the same GPU with CUDA graphs on
+and off, graphs-on output equals graphs-off output, and a verify replayed from its bucket's CUDA
+graph equals the eager verify forward. NEVER RUN YET: this project has had no GPU machine."""
 
 from __future__ import annotations
 
@@ -23,12 +24,41 @@ def reference():
 
 
 @pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
-@pytest.mark.parametrize("model_impl", ["lean", "hf"])
-def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl):
+@pytest.mark.parametrize("model_impl,cuda_graphs", [("lean", True), ("lean", False), ("hf", False)])
+def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl, cuda_graphs):
     ids, want = reference
-    llm = LLM("moespec-tiny", policy=policy, device="cuda", model_impl=model_impl, override_profile=True)
+    llm = LLM("moespec-tiny", policy=policy, device="cuda", model_impl=model_impl, override_profile=True,
+              cuda_graphs=cuda_graphs)
+    assert llm.target.verify_runner == ("graphs" if cuda_graphs else None)
     out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
     assert out.token_ids == want
+    if cuda_graphs:
+        assert llm.target.verify_runner == "graphs", "capture failed and the target fell back to eager"
+        assert sum(r.captures for r in llm.target._runners.values()) >= 1
+        if policy != "ar":  # the drafter's per-step extension replays its own graphs
+            assert llm.engine.draft_source.extend_runner.captures >= 1
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_cuda_graphs_on_equals_graphs_off(policy):
+    """A longer generation (past the first cache growth is not needed: 4096 slots) on two prompts."""
+    outs = {}
+    for graphs in (True, False):
+        llm = LLM("moespec-tiny", policy=policy, device="cuda", override_profile=True, cuda_graphs=graphs)
+        prompts = llm.encode([PROMPT, "The quick brown fox"])
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=96, ignore_eos=True))]
+    assert outs[True] == outs[False]
+
+
+def test_graph_capture_recaptures_after_the_cache_grows():
+    """Growing the static cache moves the tensors the graphs point at: they are recaptured and stay exact."""
+    llm = LLM("moespec-tiny", policy="ar", device="cuda", override_profile=True)
+    target = llm.target
+    ids = llm.encode([PROMPT])[0]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    before = llm.generate([ids], params)[0].token_ids
+    target._pool.ensure_len(2 * target._pool.max_len)  # what a long request does
+    assert llm.generate([ids], params)[0].token_ids == before
 
 
 def test_verify_graph_replay_equals_eager_verify():
@@ -36,7 +66,7 @@ def test_verify_graph_replay_equals_eager_verify():
     from trtllm_moespec.core.tree import DraftTree
     from trtllm_moespec.models.cuda_graphs import VerifyGraphs
 
-    llm = LLM("moespec-tiny", policy="ar", device="cuda")
+    llm = LLM("moespec-tiny", policy="ar", device="cuda", cuda_graphs=False)  # target.verify below is eager
     target = llm.target
     cache = target.new_cache()
     gen = torch.Generator().manual_seed(0)

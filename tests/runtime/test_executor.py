@@ -86,3 +86,44 @@ def test_executor_fallback_end_to_end_on_moespec_tiny(tmp_path):
     want = ref.generate(["def add(a, b):"], params)[0]
     assert list(got.token_ids) == list(want.token_ids)  # greedy speculative == plain decoding
     assert got.stats.mean_accepted_tokens >= 1.0
+
+
+@pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
+def test_two_concurrent_requests_share_batched_steps(tmp_path):
+    """The PyTorch backend is the batched engine: two callers on two threads share engine steps,
+    and each gets exactly what it gets alone (T=0)."""
+    import threading
+
+    from trtllm_moespec import SamplingParams
+    from trtllm_moespec.backends.trtllm import build
+
+    out = tmp_path / "engine"
+    assert build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "eagle3"), "--policy", "eagle3",
+                       "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(out), "--dry-run"]) == 0
+    executor = Executor(out, "pytorch", device="cpu", dtype="float32", max_batch_size=2)
+    assert executor.batched
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["def add(a, b):", "The capital of France is"]
+    alone = [executor.generate([p], params)[0].token_ids for p in prompts]
+    metrics = executor._impl.scheduler.metrics
+    steps_before, size_before = metrics.engine_steps, metrics.batch_size_sum
+    start, got = threading.Barrier(2), [None, None]
+
+    def call(i: int) -> None:
+        start.wait()
+        got[i] = executor.generate([prompts[i]], params)[0].token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    executor.shutdown()
+    assert got == alone
+    steps, requests = metrics.engine_steps - steps_before, metrics.batch_size_sum - size_before
+    assert requests > steps  # some steps carried both requests (alone, every step carries one)
+
+
+def test_executor_rejects_a_bad_batch_size(engine_dir):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Executor(engine_dir, "pytorch", max_batch_size=0)

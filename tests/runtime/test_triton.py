@@ -225,3 +225,47 @@ def test_triton_model_on_the_pytorch_engine(tmp_path, monkeypatch):
     (response,) = model.execute([_request(sampling_param_max_tokens=np.array([8], dtype=np.int32))])
     assert response.error is None, response.error and response.error.message()
     assert len(response.tensor("text_output")[0]) > 0 and response.tensor("mean_accepted_tokens")[0] >= 1.0
+
+
+@pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_triton_requests_share_the_batched_engine(tmp_path, monkeypatch, decoupled):
+    """One execute() with two requests: both run in the engine's batch at once (steps shared),
+    each answered with what it gets alone."""
+    from tests.runtime.test_executor import TINY
+    from trtllm_moespec.backends.trtllm import build
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    engine = tmp_path / "engine"
+    assert build.main(["--model", str(TINY / "target"), "--draft-model", str(TINY / "eagle3"), "--policy", "eagle3",
+                       "--verify-lengths", "8", "--max-draft-tokens", "8", "--out", str(engine), "--dry-run"]) == 0
+    repo = tmp_path / "repo"
+    args = ["--engine-dir", str(engine), "--out", str(repo), "--backend", "pytorch", "--dtype", "float32"]
+    assert triton_repo_main(args + (["--decoupled"] if decoupled else [])) == 0
+    spec = importlib.util.spec_from_file_location(f"moespec_triton_batch_{decoupled}", repo / "moespec" / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.initialize({"model_repository": str(repo / "moespec"), "model_version": "1"})
+    assert model.executor.batched
+    texts = [b"def f(x):", b"The capital of France is"]
+
+    def requests():
+        return [_request(text_input=np.array([t], dtype=np.object_),
+                         sampling_param_max_tokens=np.array([16], dtype=np.int32)) for t in texts]
+
+    def answers(reqs, responses):
+        if not decoupled:
+            return [r.tensor("text_output")[0] for r in responses]
+        return [r.sender.sent[-1][0].tensor("text_output")[0] for r in reqs]
+
+    alone = []
+    for r in requests():
+        alone += answers([r], model.execute([r]))
+    metrics = model.executor._impl.scheduler.metrics
+    steps_before, size_before = metrics.engine_steps, metrics.batch_size_sum
+    both = requests()
+    together = answers(both, model.execute(both))
+    model.finalize()
+    assert together == alone
+    assert metrics.batch_size_sum - size_before > metrics.engine_steps - steps_before  # steps carried both

@@ -1,5 +1,6 @@
-"""`joint-batch`: choose draft nodes across all requests of a batch against the batch's
-shared expert union (ours; the reference every batched backend is tested against).
+"""`joint-batch` (and the batch variants of evict and ecospec): choose draft nodes across all
+requests of a batch against the batch's shared expert union (ours; the reference every
+batched backend is tested against).
 
 In a batched verify forward every MoE layer runs each expert that *any* token of the
 batch routes to, so a node's marginal cost is the experts it adds to the union of the
@@ -18,6 +19,10 @@ model (c0, c_tok, c_exp) is the one fitted for this batch size. Ties go to the l
 (request, node) index, so the result is deterministic. Each request's nodes come out in
 pick order, which is parent-closed and ordered (a node becomes a candidate only after its
 parent is picked).
+
+`evict-batch`: the requests' EVICT orders merged by value, cut at argmax (B + S_k) / C_B(k)
+(C_B: the profiled C(k) with this batch size's measured intercept, engine/batch_cost.py).
+`ecospec-batch`: EcoSpec's greedy on the batch's union with B times its fixed budget.
 """
 
 from __future__ import annotations
@@ -58,15 +63,94 @@ def joint_batch_select(
     cost: C(k, U) for this batch size; max_nodes: cap on the batch's total draft nodes;
     max_nodes_per_request: cap per request (the tree config's max_draft_tokens).
     """
+    _check_trees(scores, traj_bits, root_bits, max_nodes, max_nodes_per_request)
+    B, N = scores.shape
+    picked, cu, uniq = _union_greedy(scores, parents, valid, traj_bits, root_bits,
+                                     joint_token_cost(cost.c_tok, cost.c_exp), cost.c_exp, max_nodes,
+                                     max_nodes_per_request)
+    j = np.arange(len(picked) + 1)
+    expected = B + np.asarray(cu)
+    predicted = cost.c0 + cost.c_tok * j + cost.c_exp * np.asarray(uniq, dtype=np.float64)
+    if (predicted <= 0).any():
+        raise ValueError(f"cost model predicts a non-positive step cost ({cost})")
+    j_star = int(np.argmax(expected / predicted))  # the first maximum: fewer nodes on ties
+    return _per_request([divmod(f, N) for f in picked[:j_star]], B, float(expected[j_star]),
+                        float(predicted[j_star]), uniq[j_star], scores.device)
+
+
+def ecospec_batch_select(
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    valid: torch.Tensor,
+    traj_bits: torch.Tensor,
+    root_bits: torch.Tensor,
+    eps: float,
+    max_nodes: int,
+    max_nodes_per_request: int,
+) -> BatchSelection:
+    """`ecospec-batch`: EcoSpec's greedy (score / (eps + new experts)) on the batch's shared union,
+    taking `max_nodes` nodes in all (EcoSpec's fixed budget, B times over: nodes go to the requests
+    where they are cheap and likely, at most `max_nodes_per_request` each); no cost model, no stop.
+    Arguments as `joint_batch_select`; predicted_cost is nan (nothing is priced)."""
+    if not eps > 0:
+        raise ValueError(f"ecospec eps must be > 0, got {eps}")
+    _check_trees(scores, traj_bits, root_bits, max_nodes, max_nodes_per_request)
+    B, N = scores.shape
+    picked, cu, uniq = _union_greedy(scores, parents, valid, traj_bits, root_bits, eps, 1.0, max_nodes,
+                                     max_nodes_per_request)
+    return _per_request([divmod(f, N) for f in picked], B, float(B + cu[-1]), float("nan"), uniq[-1],
+                        scores.device)
+
+
+def evict_batch_select(order: torch.Tensor, scores: torch.Tensor, cost: np.ndarray, max_nodes: int) -> BatchSelection:
+    """`evict-batch`: EVICT's top nodes by value across the requests, cut at the batch's utility peak.
+
+    order: [B, N] each request's nodes in its EVICT order (every prefix parent-closed), -1 pad;
+    scores: [B, N] their values in that order; cost: [M+1] C_B(k) seconds for k = 0..M draft nodes
+    in the whole batch (this batch size's cost); max_nodes: cap on the batch's total nodes.
+    The requests' orders are merged by value (each request's own order kept, so every request's
+    share is a prefix of its order: parent-closed), then k* = argmax_k (B + S_k) / C_B(k).
+    """
+    if max_nodes < 0:
+        raise ValueError(f"node cap must be >= 0, got {max_nodes}")
+    if order.shape != scores.shape or order.dim() != 2 or order.shape[0] == 0:
+        raise ValueError(f"order {tuple(order.shape)} and scores {tuple(scores.shape)} must both be [B >= 1, N]")
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.ndim != 1 or cost.size == 0 or (cost <= 0).any() or not np.isfinite(cost).all():
+        raise ValueError("the batch cost table must be a non-empty vector of positive seconds")
+    o = order.detach().cpu().numpy()
+    s = scores.detach().cpu().double().numpy()
+    B, N = o.shape
+    length = (o >= 0).sum(1)
+    taken, merged, cu = np.zeros(B, dtype=np.int64), [], [0.0]  # merged: (request, node) in pick order
+    cap = min(max_nodes, cost.size - 1, int(length.sum()))
+    while len(merged) < cap:  # the request whose next node has the highest value (lowest request on ties)
+        heads = np.where(taken < length, s[np.arange(B), np.minimum(taken, N - 1)], -np.inf)
+        b = int(np.argmax(heads))
+        merged.append((b, int(o[b, taken[b]])))
+        cu.append(cu[-1] + heads[b])
+        taken[b] += 1
+    expected = B + np.asarray(cu)
+    k_star = int(np.argmax(expected / cost[: len(cu)]))  # the first maximum: fewer nodes on ties
+    return _per_request(merged[:k_star], B, float(expected[k_star]), float(cost[k_star]), 0, order.device)
+
+
+def _check_trees(scores, traj_bits, root_bits, max_nodes: int, max_nodes_per_request: int) -> None:
     if max_nodes < 0 or max_nodes_per_request < 0:
         raise ValueError(f"node caps must be >= 0, got {max_nodes} and {max_nodes_per_request}")
     B, N = scores.shape
     if B == 0:
-        raise ValueError("joint_batch_select needs at least one request")
+        raise ValueError("a batch selection needs at least one request")
     if traj_bits.shape[:2] != (B, N) or root_bits.shape != (B, traj_bits.shape[2]):
         raise ValueError(f"expert sets {tuple(traj_bits.shape)} / roots {tuple(root_bits.shape)} do not match "
                          f"trees [{B}, {N}]")
-    token_cost = joint_token_cost(cost.c_tok, cost.c_exp)
+
+
+def _union_greedy(scores, parents, valid, traj_bits, root_bits, token_cost: float, expert_cost: float,
+                  max_nodes: int, max_nodes_per_request: int) -> tuple[list[int], list[float], list[int]]:
+    """Greedy by score / (token_cost + expert_cost * new experts on the batch's union): the flat
+    nodes picked (b * N + i, pick order), cumulative scores and union sizes after each pick."""
+    B, N = scores.shape
     s = scores.detach().double().cpu().numpy().ravel()
     p = parents.detach().cpu().numpy()
     v = valid.detach().cpu().numpy().ravel()
@@ -88,7 +172,7 @@ def joint_batch_select(
         if cand.size == 0:
             break
         new = np.bitwise_count(bits[cand] & ~union).sum(1)
-        f = int(cand[int(np.argmax(s[cand] / (token_cost + cost.c_exp * new)))])
+        f = int(cand[int(np.argmax(s[cand] / (token_cost + expert_cost * new)))])
         is_cand[f] = False
         is_cand[children[f]] = True
         union |= bits[f]
@@ -96,21 +180,15 @@ def joint_batch_select(
         per_request[f // N] += 1
         cu.append(cu[-1] + s[f])
         uniq.append(int(np.bitwise_count(union).sum()))
-    j = np.arange(len(picked) + 1)
-    expected = B + np.asarray(cu)
-    predicted = cost.c0 + cost.c_tok * j + cost.c_exp * np.asarray(uniq, dtype=np.float64)
-    if (predicted <= 0).any():
-        raise ValueError(f"cost model predicts a non-positive step cost ({cost})")
-    j_star = int(np.argmax(expected / predicted))  # the first maximum: fewer nodes on ties
-    return _per_request(picked[:j_star], B, N, float(expected[j_star]), float(predicted[j_star]), uniq[j_star],
-                        scores.device)
+    return picked, cu, uniq
 
 
-def _per_request(picked: list[int], B: int, N: int, expected: float, predicted: float, unique: int,
+def _per_request(picked: list[tuple[int, int]], B: int, expected: float, predicted: float, unique: int,
                  device: torch.device) -> BatchSelection:
+    """picked: (request, node) pairs in pick order -> per-request node lists in that order."""
     rows: list[list[int]] = [[] for _ in range(B)]
-    for f in picked:
-        rows[f // N].append(f % N)
+    for b, node in picked:
+        rows[b].append(node)
     K = max((len(r) for r in rows), default=0)
     node_idx = torch.full((B, K), -1, dtype=torch.int64)
     for b, r in enumerate(rows):

@@ -85,27 +85,36 @@ class TreeLayout:
         return mask[:, None]
 
 
-def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor,
+                 max_depth: int | None = None) -> TreeLayout:
     """Lay out the root and the selected nodes `node_idx` [B, K] (-1 pad) for verification.
 
     Raises ValueError when a selected node's parent is neither the root nor an
     earlier selected node (the selection must be ordered and parent-closed).
+
+    `max_depth` (device path only): the deepest selected node's depth, already read back by the
+    caller. With it the layout is built without any host synchronisation, and the checks above,
+    which would each read a flag back, are skipped: the engine's CUDA step passes it for
+    selections made by its own policies (tested parent-closed), so nothing waits on the device
+    between selection and verify.
     """
     B, K = node_idx.shape
     device = tree.token_ids.device
     if device.type == "cpu" and node_idx.device.type == "cpu":
         return _build_layout_host(tree, node_idx, root_ids)
-    return _build_layout_tensors(tree, node_idx, root_ids)
+    return _build_layout_tensors(tree, node_idx, root_ids, max_depth)
 
 
-def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor,
+                          max_depth: int | None = None) -> TreeLayout:
     """build_layout in tensor ops (no host loop: the device path)."""
     B, K = node_idx.shape
     device = tree.token_ids.device
-    if tree.num_nodes == 0 and bool((node_idx >= 0).any()):
+    check = max_depth is None  # each check is a host read of a flag
+    if check and tree.num_nodes == 0 and bool((node_idx >= 0).any()):
         raise ValueError("selection names nodes but the tree is empty")
     sel_valid = node_idx >= 0
-    if bool((sel_valid & ~gather_nodes(tree.valid, node_idx, False)).any()):
+    if check and bool((sel_valid & ~gather_nodes(tree.valid, node_idx, False)).any()):
         raise ValueError("selection contains a padded (invalid) tree node")
 
     # Inverse map: tree node -> layout position (0 = not selected).
@@ -115,7 +124,7 @@ def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: tor
 
     tree_parent = gather_nodes(tree.parents, node_idx, -1)
     parent_pos = torch.where(tree_parent >= 0, pos_of_node.gather(1, tree_parent.clamp(min=0)), 0)
-    if bool((sel_valid & ((parent_pos >= positions) | ((tree_parent >= 0) & (parent_pos == 0)))).any()):
+    if check and bool((sel_valid & ((parent_pos >= positions) | ((tree_parent >= 0) & (parent_pos == 0)))).any()):
         raise ValueError("selection is not parent-closed and ordered: a node comes before (or without) its parent")
     parent_pos = torch.where(sel_valid, parent_pos, -1)
 
@@ -131,7 +140,7 @@ def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: tor
         depth=full_depth,
         parent_pos=full_parent,
         valid=valid,
-        paths=_paths(full_parent, full_depth, valid),
+        paths=_paths(full_parent, full_depth, valid, max_depth),
         num_nodes=sel_valid.sum(1),
     )
 
@@ -199,10 +208,13 @@ def _build_layout_host(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.
     )
 
 
-def _paths(parent_pos: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, T, D+1] layout positions on the root->node path, indexed by depth."""
+def _paths(parent_pos: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor,
+           max_depth: int | None = None) -> torch.Tensor:
+    """[B, T, D+1] layout positions on the root->node path, indexed by depth (D = max_depth, read
+    from `depth` unless the caller already knows it)."""
     B, T = parent_pos.shape
-    max_depth = int(depth.max().item()) if T else 0
+    if max_depth is None:
+        max_depth = int(depth.max().item()) if T else 0
     paths = torch.full((B, T, max_depth + 1), -1, dtype=torch.int64, device=parent_pos.device)
     cur = torch.arange(T, device=parent_pos.device).expand(B, T).clone()
     cur = torch.where(valid, cur, -1)

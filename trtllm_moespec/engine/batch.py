@@ -1,8 +1,11 @@
 """Batched decoding: every admitted request advances by one iteration in ONE target forward.
 
     step():  new requests: prefill (one forward each) -> first token
-             running requests: draft + predict per request
-               -> select (each request's own policy, or `joint-batch` across the batch)
+             running requests: speculate or not, for the whole batch (the goodput guard of a
+               batch policy, decided before any drafting; plain: no drafter forward)
+               -> draft + predict per request
+               -> select (each request's own policy, or a batch policy across the batch:
+                  joint-batch, evict-batch, ecospec-batch)
                -> one target forward over all roots + selected nodes: ragged trees padded to
                   the longest, per-request positions, tree masks and static-cache slots
                -> per request: acceptance rule, in-place commit in its slot, drafter commit
@@ -13,8 +16,9 @@ cache slot and b's tree mask; padding repeats the root token at the root's posit
 sees only the root, so it computes the root's values again and wakes no new expert; the
 acceptance rule runs per request on the unpadded layout, so a request draws exactly the
 uniforms from its own generator that it would draw alone. A selection made across the
-batch (`joint-batch`) changes which nodes are verified, never how they are accepted, so
-sampling stays lossless (DESIGN: any tree chosen without the verifier's random numbers).
+batch changes which nodes are verified, never how they are accepted, so sampling stays
+lossless (DESIGN: any tree chosen without the verifier's random numbers); the guard decides
+from past steps' timings only.
 
 Admission and retirement happen between steps (`add` / `abort`, driven by the serving
 scheduler). A request's slot is released when it finishes or is aborted.
@@ -28,17 +32,23 @@ from typing import Any
 
 import torch
 
-from ..core.batch_select import joint_batch_select
+from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
 from ..core.layout import TreeLayout, build_layout
 from ..core.select import path_bits
-from ..core.tree import DraftTree, limit_depth
+from ..core.tree import DraftTree, gather_nodes, limit_depth, score_order
 from ..core.values import RequestValues, accepted_nodes, with_values
-from ..core.verify import verify_tree
+from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
-from .batch_cost import BatchCosts, GoodputGuard
+from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
+
+
+# Plain steps a lazily started drafter may miss before it is started anyway: each holds the step's
+# root logits (a vocabulary row), so the wait is bounded; a long request pays the drafter's
+# prompt prefill once, as it would without the wait.
+_MAX_EARLY_STEPS = 32
 
 
 @dataclass
@@ -49,6 +59,13 @@ class _Active:
     cache: TargetCache | None = None  # None until its prefill ran
     draft_state: Any = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
+    # A lazily started drafter (a guarded batch policy): until the batch first speculates, the drafter has not
+    # seen the prompt; (prompt, prefill output, root) and the plain steps since wait here.
+    drafter_started: bool = True
+    prompt: torch.Tensor | None = None
+    prefill: TargetOutput | None = None
+    root: int = 0
+    early_steps: list[tuple[VerifyResult, TargetOutput]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -64,33 +81,46 @@ class BatchStepOutput:
 class BatchedEngine:
     """Continuous batching over one `SpecEngine`'s target, drafter, predictor and policy.
 
-    `joint_batch=True` replaces the per-request policy by the cross-request selection on the
-    batch's shared expert union, with per-batch-size costs (`costs`; default: the joint policy's
-    fit with intercepts measured per batch size) and, unless `goodput_guard=False`, a guard that
-    decodes plainly (no drafting) when speculation does not pay for the batch.
+    `batch_policy` replaces the per-request policy by a selection across the batch
+    (core/batch_select.py), on the loaded policy's drafter, predictor and costs:
+      "joint-batch" (policy joint; `joint_batch=True` is the same): greedy on the batch's shared
+          expert union, stopped at the batch's utility peak on per-batch-size costs (`costs`;
+          default: the joint fit with intercepts measured per batch size);
+      "evict-batch" (policy evict): EVICT's top nodes by value across the requests, k* at the
+          batch's utility peak on the profiled C(k) with a measured per-batch-size intercept;
+      "ecospec-batch" (policy ecospec): EcoSpec's greedy on the batch's union, B times its budget.
+    joint-batch and evict-batch run, unless `goodput_guard=False`, a guard that decodes plainly
+    (no drafter forward at all) when speculation does not pay for the batch; ecospec-batch runs
+    it only when given one (EcoSpec's rule has no cost model: the baseline as published).
     """
 
     def __init__(self, engine: SpecEngine, max_batch_size: int, joint_batch: bool = False,
-                 costs: BatchCosts | None = None, goodput_guard: bool | GoodputGuard = True):
+                 costs: BatchCosts | BatchTableCosts | None = None, goodput_guard: bool | GoodputGuard = True,
+                 batch_policy: str | None = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if engine.policy.needs_target:
             raise ValueError(f"policy {engine.policy.name!r} needs target scores per request (analysis only); "
                              "it cannot run batched")
-        if joint_batch and (engine.predictor is None or getattr(engine.policy, "cost_model", None) is None):
-            raise ValueError("joint-batch needs the joint policy's cost model and an expert predictor "
-                             "(load the model with policy 'joint')")
+        if joint_batch and batch_policy not in (None, "joint-batch"):
+            raise ValueError(f"joint_batch=True contradicts batch_policy={batch_policy!r}")
+        batch_policy = "joint-batch" if joint_batch else batch_policy
+        _check_batch_policy(engine, batch_policy)
         self.engine, self.target = engine, engine.target
         self.max_batch_size = max_batch_size
-        self.joint_batch = joint_batch
-        self.costs = costs if costs is not None or not joint_batch else BatchCosts(engine.policy.cost_model)
-        guard = goodput_guard if isinstance(goodput_guard, GoodputGuard) else (GoodputGuard() if goodput_guard else None)
-        self.guard = guard if joint_batch else None
+        self.batch_policy = batch_policy
+        self.joint_batch = batch_policy == "joint-batch"
+        self.costs = costs if costs is not None else _default_costs(engine, batch_policy)
+        if isinstance(goodput_guard, GoodputGuard):
+            self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
+        else:
+            self.guard = GoodputGuard() if goodput_guard and batch_policy in ("joint-batch", "evict-batch") else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
-        # Plain steps of a drafting policy defer the EAGLE-3 drafter's cache extension (see _Active).
-        # Plain steps skip the drafter: the draft source remembers their tokens and catches up in one
-        # forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's guard does).
-        self._defer_drafter = joint_batch and hasattr(engine.draft_source, "defer")
+        # Plain steps (chosen by the guard) skip the drafter: the draft source remembers their tokens and
+        # catches up in one forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's
+        # guard does). The drafter's prompt prefill (about a target prefill's cost) waits too, until the
+        # request's batch first speculates: requests that never speculate never pay for a drafter forward.
+        self._defer_drafter = self.guard is not None and hasattr(engine.draft_source, "defer")
 
     # ------------------------------------------------------------------ admission
     @property
@@ -142,7 +172,10 @@ class BatchedEngine:
         active.cache = self.target.new_cache()
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
-        active.draft_state = engine.draft_source.start(prompt, prefill, root)
+        if self._defer_drafter:
+            active.drafter_started, active.prompt, active.prefill, active.root = False, prompt, prefill, root
+        else:
+            active.draft_state = engine.draft_source.start(prompt, prefill, root)
         if engine.values is not None and engine.policy.uses_values:
             active.values = engine.values.for_request(request.sampling)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -151,6 +184,9 @@ class BatchedEngine:
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine
+        # The guard and the costs time the iteration alone: prefills of requests admitted in the same
+        # step (a whole plain step's worth each) would otherwise land on whichever mode ran beside them.
+        t_iter = time.perf_counter()
         speculate = self.guard.speculate(len(running)) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
         drafts = [self._draft(a) if speculate else None for a in running]
@@ -171,13 +207,14 @@ class BatchedEngine:
         results = []
         for a, d, (experts, _), n, layout, out in zip(running, drafts, predictions, node_idx, layouts, outs):
             results.append(self._finish(a, d, experts, n, layout, out))
+        iter_s = time.perf_counter() - t_iter
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
         if self.guard is not None:
-            self.guard.record(len(running), speculate, committed, step_s)
+            self.guard.record(len(running), speculate, committed, iter_s)
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
-            self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), step_s)
+            self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)
         share = lambda t: t * 1e3  # every request waited for the whole batch stage  # noqa: E731
         stats = [replace(r.step, draft_ms=share(t_draft) + r.step.draft_ms, predictor_ms=share(t_pred),
                          select_ms=share(t_select), target_ms=share(t_target),
@@ -187,7 +224,19 @@ class BatchedEngine:
         return [BatchStepOutput(r.request, r.new_ids, r.finished, s) for r, s in zip(results, stats)], batch_experts
 
     # ------------------------------------------------------------------ stages
+    def _start_drafter(self, active: _Active) -> None:
+        """Start a lazily started drafter: prompt prefill, then the plain steps it missed (deferred:
+        it catches up on them in one forward when it next drafts)."""
+        if active.drafter_started:
+            return
+        source = self.engine.draft_source
+        active.draft_state = source.start(active.prompt, active.prefill, active.root)
+        for result, out in active.early_steps:
+            source.defer(active.draft_state, result, out)
+        active.drafter_started, active.prompt, active.prefill, active.early_steps = True, None, None, []
+
     def _draft(self, active: _Active) -> Draft:
+        self._start_drafter(active)
         request = active.request
         context = request.prompt_ids + request.output_ids
         draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
@@ -204,8 +253,12 @@ class BatchedEngine:
         if drafts[0] is None:  # plain decoding step: every request verifies its root only
             return [torch.zeros(1, 0, dtype=torch.int64, device=self.target.device) for _ in running]
         valued = [self._valued(a, d) for a, d in zip(running, drafts)]
-        if self.joint_batch:
+        if self.batch_policy == "joint-batch":
             return self._joint_batch(valued, predictions)
+        if self.batch_policy == "evict-batch":
+            return self._evict_batch(valued)
+        if self.batch_policy == "ecospec-batch":
+            return self._ecospec_batch(valued, predictions)
         return [self.engine._select(v, e, rb, None).node_idx for v, (e, rb) in zip(valued, predictions)]
 
     @staticmethod
@@ -216,17 +269,30 @@ class BatchedEngine:
         return with_values(draft.tree, active.values.values(draft.tree, draft, context))
 
     def _joint_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
-        N = max(t.num_nodes for t in trees)
-        pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
-        scores = torch.cat([pad(t.scores, 0.0) for t in trees])
-        parents = torch.cat([pad(t.parents, -1) for t in trees])
-        valid = torch.cat([pad(t.valid, False) for t in trees])
-        traj = torch.cat([torch.nn.functional.pad(path_bits(e.bits, t.parents, t.depth), (0, 0, 0, N - t.num_nodes))
-                          for t, (e, _) in zip(trees, predictions)])
-        root_bits = torch.cat([rb for _, rb in predictions])
         budget = self.engine.tree.max_draft_tokens
         cost = self.costs.model(len(trees))
-        sel = joint_batch_select(scores, parents, valid, traj, root_bits, cost, budget * len(trees), budget)
+        sel = joint_batch_select(*_stack_trees(trees, predictions), cost, budget * len(trees), budget)
+        return [sel.node_idx[b:b + 1] for b in range(len(trees))]
+
+    def _ecospec_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
+        policy = self.engine.policy
+        sel = ecospec_batch_select(*_stack_trees(trees, predictions), policy.eps, policy.budget * len(trees),
+                                   self.engine.tree.max_draft_tokens)
+        return [sel.node_idx[b:b + 1] for b in range(len(trees))]
+
+    def _evict_batch(self, trees: list[DraftTree]) -> list[torch.Tensor]:
+        policy = self.engine.policy
+        cap = policy.cost_table.max_nodes if policy.budget is None else min(policy.budget, policy.cost_table.max_nodes)
+        orders = [score_order(t)[:, :cap] for t in trees]  # EVICT's per-request order (prefixes parent-closed)
+        N = max(o.shape[1] for o in orders)
+        order = torch.cat([torch.nn.functional.pad(o, (0, N - o.shape[1]), value=-1) for o in orders])
+        valid = torch.cat([torch.nn.functional.pad(gather_nodes(t.valid, o, False), (0, N - o.shape[1]))
+                           for t, o in zip(trees, orders)])
+        order = torch.where(valid, order, -1)  # invalid nodes sort last: the valid ones stay a prefix
+        scores = torch.cat([torch.nn.functional.pad(gather_nodes(t.scores, o, 0.0), (0, N - o.shape[1]))
+                            for t, o in zip(trees, orders)])
+        total = cap * len(trees)
+        sel = evict_batch_select(order, scores, self.costs.table(len(trees), total), total)
         return [sel.node_idx[b:b + 1] for b in range(len(trees))]
 
     def _finish(self, active: _Active, draft: Draft | None, experts, node_idx: torch.Tensor, layout: TreeLayout,
@@ -242,7 +308,12 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
+        if draft is None and not active.drafter_started:  # kept (root position only) for the drafter's start
+            active.early_steps.append((result, TargetOutput(out.logits.clone(), out.hidden.clone(),
+                                                            out.expert_ids.clone())))
+            if len(active.early_steps) >= _MAX_EARLY_STEPS:
+                self._start_drafter(active)
+        elif draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
             engine.draft_source.defer(active.draft_state, result, out)
         else:
             engine.draft_source.commit(active.draft_state, result, out)
@@ -266,6 +337,43 @@ class _Finished:
     new_ids: list[int]
     finished: bool
     step: StepStats
+
+
+BATCH_POLICIES = {"joint-batch": "joint", "evict-batch": "evict", "ecospec-batch": "ecospec"}  # -> loaded policy
+
+
+def _check_batch_policy(engine: SpecEngine, batch_policy: str | None) -> None:
+    if batch_policy is None:
+        return
+    base = BATCH_POLICIES.get(batch_policy)
+    if base is None:
+        raise ValueError(f"unknown batch policy {batch_policy!r}; choose one of {', '.join(BATCH_POLICIES)}")
+    if engine.policy.name != base:
+        raise ValueError(f"{batch_policy} needs the model loaded with policy {base!r}, not {engine.policy.name!r}")
+    if base in ("joint", "ecospec") and engine.predictor is None:
+        raise ValueError(f"{batch_policy} needs an expert predictor (load the model with policy {base!r})")
+
+
+def _default_costs(engine: SpecEngine, batch_policy: str | None) -> BatchCosts | BatchTableCosts | None:
+    if batch_policy == "joint-batch":
+        return BatchCosts(engine.policy.cost_model)
+    if batch_policy == "evict-batch":
+        return BatchTableCosts(engine.policy.cost_table)
+    return None
+
+
+def _stack_trees(trees: list[DraftTree], predictions) -> tuple[torch.Tensor, ...]:
+    """(scores, parents, valid, path expert sets, root expert sets) of the requests, padded to the
+    largest tree (pads invalid)."""
+    N = max(t.num_nodes for t in trees)
+    pad = lambda x, fill: torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)  # noqa: E731
+    scores = torch.cat([pad(t.scores, 0.0) for t in trees])
+    parents = torch.cat([pad(t.parents, -1) for t in trees])
+    valid = torch.cat([pad(t.valid, False) for t in trees])
+    traj = torch.cat([torch.nn.functional.pad(path_bits(e.bits, t.parents, t.depth), (0, 0, 0, N - t.num_nodes))
+                      for t, (e, _) in zip(trees, predictions)])
+    root_bits = torch.cat([rb for _, rb in predictions])
+    return scores, parents, valid, traj, root_bits
 
 
 # ---------------------------------------------------------------------- the batched forward

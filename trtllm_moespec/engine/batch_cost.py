@@ -6,13 +6,17 @@
   them); the intercept c0_B (B drafting runs, B roots, the dense weights) is measured on the
   fly at each batch size: the median over recent speculative steps of
   seconds - c_tok * k - c_exp * U. Before any step at B it is B * c0 (pessimistic: no sharing).
+- `BatchTableCosts`: the same for evict-batch on the profiled table: C_B(k) = c0_B + C(k) - C(0).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
-  at a batch size never seen, the mode that won at the nearest measured batch size goes first
-  (neighbouring sizes cost alike); an unmeasured mode is then tried once, and the losing mode is
-  re-tried after an interval that doubles while its probes keep losing and that is never shorter
+  a batch size where the two modes were not both measured follows the nearest one where they were
+  (neighbouring sizes cost alike); the losing mode is re-tried (one countdown for the whole
+  engine, at whatever size the batch has then) after an interval that doubles while its probes
+  keep losing and that is never shorter
   than what keeps a probe's extra time within `probe_overhead` of the winner's (a speculative step
-  10x dearer than a plain one is probed every ~180 steps at 5%), so a change in the text or the
+  10x dearer than a plain one is probed every ~450 steps at the default 2%: on a compute-bound
+  machine a batch's speculative step, which also starts the drafters that plain steps left
+  unstarted, costs 10-25 plain steps), so a change in the text or the
   context length is noticed without paying for many lost probes.
 """
 
@@ -22,7 +26,9 @@ import collections
 import math
 import statistics
 
-from ..core.cost import ExpertCostModel
+import numpy as np
+
+from ..core.cost import CostTable, ExpertCostModel
 
 
 class BatchCosts:
@@ -48,11 +54,49 @@ class BatchCosts:
         self._residuals.setdefault(batch_size, collections.deque(maxlen=self.window)).append(residual)
 
 
+class BatchTableCosts:
+    """evict-batch's cost: C_B(k) = c0_B + C(k) - C(0) on the profiled table C (extended past its
+    last entry by its mean slope), with the intercept c0_B measured per batch size as in
+    `BatchCosts` (before any step at B: B * C(0)); for one request it is the profiled table."""
+
+    def __init__(self, table: CostTable, window: int = 32, measure: bool = True):
+        self.costs = np.asarray(table.costs, dtype=np.float64)
+        K = self.costs.size - 1
+        self._slope = (self.costs[-1] - self.costs[0]) / K if K > 0 else 0.0
+        self.window, self.measure = window, measure
+        self._residuals: dict[int, collections.deque[float]] = {}
+
+    def extra(self, num_nodes: np.ndarray | int) -> np.ndarray:
+        """C(k) - C(0) for k draft nodes in the batch (past the table: its mean slope per node)."""
+        k = np.asarray(num_nodes)
+        K = self.costs.size - 1
+        return self.costs[np.minimum(k, K)] - self.costs[0] + self._slope * np.maximum(k - K, 0)
+
+    def table(self, batch_size: int, max_nodes: int) -> np.ndarray:
+        """C_B(k) for k = 0..max_nodes, seconds."""
+        samples = self._residuals.get(batch_size)
+        c0 = statistics.median(samples) if samples else batch_size * self.costs[0]
+        return np.maximum(c0 + self.extra(np.arange(max_nodes + 1)), 1e-6)
+
+    def record(self, batch_size: int, num_nodes: int, unique_pairs: int, seconds: float) -> None:
+        """One measured speculative step of `batch_size` requests (unique_pairs unused: C(k) has no U)."""
+        if not self.measure:
+            return
+        residual = seconds - float(self.extra(num_nodes))
+        self._residuals.setdefault(batch_size, collections.deque(maxlen=self.window)).append(residual)
+
+
 class GoodputGuard:
-    """Chooses per step between speculative and plain decoding by measured goodput."""
+    """Chooses per step between speculative and plain decoding by measured goodput.
+
+    Goodput is measured per batch size; a batch size where only one mode (or none) was measured
+    follows the nearest batch size where both were, and the probe schedule is one countdown for
+    the whole engine: under continuous batching the size drifts (8, 7, 8, 6, ...) every few
+    steps, and a probe per newly seen size would cost more than all the plain steps it saves.
+    """
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
-                 probe_overhead: float = 0.05):
+                 probe_overhead: float = 0.02):
         if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every or not 0 < probe_overhead < 1:
             raise ValueError(f"need alpha in (0, 1], 2 <= probe_every <= max_probe_every and probe_overhead in "
                              f"(0, 1), got {alpha}, {probe_every}, {max_probe_every}, {probe_overhead}")
@@ -60,54 +104,64 @@ class GoodputGuard:
         self.probe_overhead = probe_overhead  # a probe may cost at most this share of the winner's time
         self._goodput: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> tokens/s EMA
         self._seconds: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> step seconds EMA
-        self._until_probe: dict[int, int] = {}  # steps left before the losing mode is tried again
-        self._interval: dict[int, int] = {}  # current probe interval (doubles while the loser keeps losing)
+        self._until_probe = probe_every  # steps left before the losing mode is tried again
+        self._interval = probe_every  # current probe interval (doubles while the loser keeps losing)
+        self.num_probes = 0
 
     def speculate(self, batch_size: int) -> bool:
-        spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
-        if spec is None and plain is None:
-            nearest = self._nearest_decided(batch_size)
-            return True if nearest is None else nearest  # neighbouring batch sizes cost alike
-        if spec is None:
-            return True
-        if plain is None:
-            return False
-        best = spec >= plain
-        return (not best) if self._until_probe.get(batch_size, 0) <= 0 else best
+        """Speculate on the next step of `batch_size` requests? Decided before any drafting."""
+        decision = self._decision(batch_size)
+        if decision is None:  # nothing decided anywhere yet: measure speculation, then plain decoding
+            if (batch_size, True) in self._goodput or (batch_size, False) in self._goodput:
+                return (batch_size, True) not in self._goodput
+            return not any(speculated for _, speculated in self._goodput)
+        return (not decision) if self._until_probe <= 0 else decision
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        before = self._winner(batch_size)
+        """One finished step: its mode, committed tokens (all requests) and wall seconds."""
+        before = self._decision(batch_size)
         probed = before is not None and speculated != before
+        winner = self._goodput[(self._nearest_measured(batch_size), before)] if probed else 0.0
         key = (batch_size, speculated)
         self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
         self._seconds[key] = self._ema(self._seconds.get(key), seconds)
-        after = self._winner(batch_size)
-        interval = self._interval.get(batch_size, self.probe_every)
+        after = self._decision(batch_size)
         if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
-            interval = min(2 * interval, self.max_probe_every) if after == before else self.probe_every
-            self._interval[batch_size] = interval
-            self._until_probe[batch_size] = max(interval, self._affordable_interval(batch_size))
+            self.num_probes += 1
+            # A probe that beat the winner's estimate without flipping the decision yet (the estimate
+            # averages older steps) is news too: no back-off, probe again after the shortest interval.
+            promising = after != before or tokens / max(seconds, 1e-9) >= winner
+            self._interval = self.probe_every if promising else min(2 * self._interval, self.max_probe_every)
+            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         elif before is None and after is not None:  # both modes just got measured
-            self._until_probe[batch_size] = max(interval, self._affordable_interval(batch_size))
+            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         else:
-            self._until_probe[batch_size] = self._until_probe.get(batch_size, interval) - 1
+            self._until_probe -= 1
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def _affordable_interval(self, batch_size: int) -> int:
         """Steps between probes so that a probe's extra time stays within `probe_overhead` of the
-        winner's time over the interval (a probe 10x dearer than a step waits ~180 steps at 5%)."""
-        winner = self._winner(batch_size)
-        t_win, t_lose = self._seconds.get((batch_size, winner)), self._seconds.get((batch_size, not winner))
-        if winner is None or t_win is None or t_lose is None or t_lose <= t_win:
+        winner's time over the interval (a probe 10x dearer than a step waits ~180 steps at 5%, ~450 at 2%)."""
+        measured = self._nearest_measured(batch_size)
+        if measured is None:
+            return self.probe_every
+        winner = self._winner(measured)
+        t_win, t_lose = self._seconds[(measured, winner)], self._seconds[(measured, not winner)]
+        if t_lose <= t_win:
             return self.probe_every
         return min(math.ceil((t_lose / t_win - 1) / self.probe_overhead), self.max_probe_every)
 
-    def _nearest_decided(self, batch_size: int) -> bool | None:
-        """The winning mode at the nearest batch size where both were measured (smaller first on ties)."""
-        decided = sorted((abs(b - batch_size), b) for b in {b for b, _ in self._goodput} if self._winner(b) is not None)
-        return self._winner(decided[0][1]) if decided else None
+    def _decision(self, batch_size: int) -> bool | None:
+        """The winning mode at the nearest batch size where both modes were measured (this one
+        first, then smaller on ties: neighbouring sizes cost alike); None while there is none."""
+        measured = self._nearest_measured(batch_size)
+        return None if measured is None else self._winner(measured)
+
+    def _nearest_measured(self, batch_size: int) -> int | None:
+        sizes = sorted((abs(b - batch_size), b) for b, _ in self._goodput if self._winner(b) is not None)
+        return sizes[0][1] if sizes else None
 
     def _winner(self, batch_size: int) -> bool | None:
         spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))

@@ -46,9 +46,15 @@ class Eagle3Source:
 
     name = "eagle3"
 
-    def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None, stop_rule=None):
+    def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None, stop_rule=None,
+                 extend_runner=None):
         self.drafter, self.steps, self.topk, self.ddd_threshold = drafter, steps, topk, ddd_threshold
         self.stop_rule = stop_rule
+        # Optional `models.cuda_graphs.StaticDrafterExtend` / `DrafterGraphs`: the drafter forward over
+        # each step's committed tokens as a static-shape forward (CUDA: a graph per length bucket).
+        # None: `Eagle3Drafter.commit` / `extend` (the CPU path). Tree-drafting forwards are not
+        # routed through it yet (they live in models/eagle3_draft.py).
+        self.extend_runner = extend_runner
 
     def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> "Eagle3State":
         cache = self.drafter.new_cache()
@@ -66,7 +72,29 @@ class Eagle3Source:
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         self._catch_up(state)
-        self.drafter.commit(state.cache, result.accepted_pos[0], result.emitted_ids[0], verify.hidden)
+        if self.extend_runner is None:
+            self.drafter.commit(state.cache, result.accepted_pos[0], result.emitted_ids[0], verify.hidden)
+            return
+        # The same pairs as Eagle3Drafter.commit: (emitted token i, verify hidden at the root or
+        # accepted node i). The emitted count is the step's one read-back after the verify.
+        n = int(result.num_emitted[0])
+        pos = torch.cat([result.accepted_pos.new_zeros(1), result.accepted_pos[0, :n - 1]]).to(verify.hidden.device)
+        self._extend(state.cache, result.emitted_ids[:, :n], verify.hidden[:, pos])
+
+    def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
+        """Append drafter positions through the static runner when the extension fits its buckets."""
+        runner, drafter = self.extend_runner, self.drafter
+        token_ids = token_ids.to(drafter.lm_head.weight.device)
+        n = token_ids.shape[1]
+        if runner is None or n == 0 or n > runner.max_tokens or cache.kv is None:
+            drafter.extend(cache, token_ids, target_hidden)
+            return
+        S, a = cache.num_tokens, drafter.midlayer.self_attn
+        kv = cache.reserve(S + runner.bucket(n), a.num_kv_heads, a.head_dim, drafter.lm_head.weight.dtype,
+                           drafter.lm_head.weight.device)
+        out = runner.run(kv, S, token_ids, target_hidden)
+        cache.num_tokens = S + n
+        cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
 
     def defer(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden)
@@ -82,7 +110,7 @@ class Eagle3Source:
             hidden = torch.cat(state.pending_hidden)[None]  # [1, n, 3H]
             state.pending_ids.clear()
             state.pending_hidden.clear()
-            self.drafter.extend(state.cache, ids.to(self.drafter.lm_head.weight.device), hidden)
+            self._extend(state.cache, ids, hidden)
 
 
 def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:

@@ -20,7 +20,7 @@ from ..core.layout import TreeLayout, build_layout
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
-from ..core.tree import DraftTree, limit_depth
+from ..core.tree import DraftTree, gather_nodes, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
@@ -112,7 +112,9 @@ class SpecEngine:
         t0 = time.perf_counter()
         draft = source.draft(state, context, device)
         remaining = request.max_tokens - len(request.output_ids)
-        tree = limit_depth(draft.tree, remaining - 1) if draft.tree.num_nodes else draft.tree  # deeper nodes could never be emitted
+        # Deeper nodes could never be emitted. A node's depth is at most the node count, so a tree of
+        # no more nodes than the remaining budget needs no trimming (and no host read of its depths).
+        tree = limit_depth(draft.tree, remaining - 1) if draft.tree.num_nodes > remaining - 1 else draft.tree
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -127,7 +129,10 @@ class SpecEngine:
             node_idx = (selection := self._select(valued, experts, root_bits, target_scores)).node_idx
         else:  # a plain step (or policy "ar") verifies the root alone: no selection to run
             selection, node_idx = None, torch.empty(1, 0, dtype=torch.int64, device=tree.token_ids.device)
-        layout = build_layout(tree, node_idx, torch.tensor([root], device=tree.token_ids.device))
+        max_depth = None
+        if selection is not None and node_idx.device.type != "cpu":
+            node_idx, max_depth = self._device_selection(tree, node_idx)
+        layout = build_layout(tree, node_idx, torch.tensor([root], device=tree.token_ids.device), max_depth)
         t_select = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -163,6 +168,18 @@ class SpecEngine:
         if guard is not None:
             guard.observe(speculate, len(emitted), request.steps[-1].step_ms / 1e3, int(layout.num_nodes[0]))
         return done
+
+    def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The device path's one host read before the verify: the selected count and deepest depth
+        (two ints in one transfer). The count picks the verify length: the selection is cut (or
+        -1 padded) to the target's bucket for it, as EVICT pads to a captured length, instead of
+        verifying the policy's whole budget; the depth lets the layout skip its own reads."""
+        count, depth = torch.stack([(node_idx >= 0).sum(1).max(), gather_nodes(tree.depth, node_idx, 0).max()
+                                    if node_idx.numel() else node_idx.new_zeros(())]).tolist()
+        K = self.target.verify_length(count + 1) - 1
+        if K <= node_idx.shape[1]:
+            return node_idx[:, :K], depth  # -1 pads come last: the selection is ordered
+        return torch.nn.functional.pad(node_idx, (0, K - node_idx.shape[1]), value=-1), depth
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
         if self.predictor is None or not self.policy.needs_experts:

@@ -1,20 +1,28 @@
-"""CUDA graphs of the lean target forward: one per verify-length bucket (as EVICT captures one
-verify graph per verify length, and TensorRT-LLM keys its graphs by draft length).
+"""Bucketed static-shape verify forwards of the lean target, and their CUDA graphs: one per
+verify-length bucket (as EVICT captures one verify graph per verify length, and TensorRT-LLM
+keys its graphs by draft length).
 
 NOT YET RUN ON A GPU: this project's machines have none; `benchmarks/gpu_check.sh` is the
-script that exercises it. On CPU the same static-shape forward (`LeanForward.forward_static`)
-runs eagerly and is tested against the ordinary forward; only capture and replay are CUDA-only.
+script that exercises it. On CPU the very same bucketed call (`StaticVerify`, the function the
+graph captures) runs eagerly and is tested against the ordinary forward and, through the
+engine, against plain decoding; only capture and replay (`VerifyGraphs`) are CUDA-only.
 
-A verify of T tokens runs the graph of the smallest bucket >= T: token ids, positions and the
-tree mask are copied into that graph's static input buffers, padded. Padded query rows see only
-themselves; their keys land in cache slots past the real tree, which no real query's mask
-admits and the next forward overwrites. The prefix length is a device tensor, so nothing is
-read back to the host before the replay; attention spans the whole preallocated cache under a
-mask, which is what keeps shapes static.
+A forward of T tokens runs the smallest bucket >= T: token ids, positions, the prefix length
+and the tree mask are copied into that bucket's static input buffers, padded. Padded query
+rows see only themselves (and the committed prefix); their keys land in cache slots past the
+real tree, which no real query's mask admits and the next forward overwrites. The prefix
+length is a device tensor filled from the host int the engine already holds, so nothing is
+read back to the host before the replay; attention spans the whole preallocated cache under
+a mask, which is what keeps shapes static.
+
+Buckets: the cost profile is dense (C(k) for every k), so it names no verify lengths of its
+own; the buckets are a power-of-two ladder capped by the tree's largest verify
+(`verify_buckets`), the padding EVICT applies when it rounds a selection up to a captured length.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,71 +30,298 @@ import torch
 from .kv_cache import StaticKVCache
 from .lean_forward import LeanForward, LeanOutput
 
+DEFAULT_LADDER = (1, 2, 4, 8, 16, 32, 64)
+
+
+def verify_buckets(max_draft_tokens: int, ladder: tuple[int, ...] = DEFAULT_LADDER) -> tuple[int, ...]:
+    """Verify-length buckets for trees of up to `max_draft_tokens` nodes: the ladder below the
+    largest verify (root + every node) and that largest verify itself, so no verify is ever
+    padded past what the tree can need."""
+    if max_draft_tokens < 0:
+        raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+    top = max_draft_tokens + 1
+    return tuple(sorted({b for b in ladder if b < top} | {top}))
+
 
 @dataclass
-class _Graph:
-    graph: object  # torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # [1, T] static input buffers
-    positions: torch.Tensor  # [1, T]
-    prefix_len: torch.Tensor  # [1]
-    tree_mask: torch.Tensor  # [1, T, T] bool
-    output: LeanOutput  # static output tensors, valid after replay
+class _Bucket:
+    """The static input buffers of one bucket (and, on CUDA, its graph and static outputs)."""
+
+    input_ids: torch.Tensor  # [1, B] int64
+    positions: torch.Tensor  # [1, B] int64
+    prefix_len: torch.Tensor  # [1] int64
+    tree_mask: torch.Tensor  # [1, B, B] bool
+    eye: torch.Tensor  # [1, B, B] bool, the padded rows' mask (each sees itself)
+    causal: torch.Tensor  # [1, B, B] bool lower triangle (a forward without a tree)
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    output: LeanOutput | None = None  # the graph's static outputs, valid after a replay
 
 
-class VerifyGraphs:
-    """Captured lean forwards for one request slot, keyed by verify-length bucket (batch 1)."""
+class StaticVerify:
+    """Forwards of one request slot (batch 1) through the static-shape lean forward of the
+    smallest bucket that holds them. `_call` is exactly what `VerifyGraphs` captures; this class
+    runs it eagerly (CPU, and the reference its graph is checked against)."""
 
     def __init__(self, lean: LeanForward, cache: StaticKVCache, slot: int, buckets: tuple[int, ...]):
-        if not cache.kv.is_cuda:
-            raise ValueError("VerifyGraphs needs a CUDA cache (CPU runs use LeanForward.forward)")
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"verify-length buckets must be positive, got {buckets}")
         self.lean, self.cache, self.slot = lean, cache, slot
         self.buckets = tuple(sorted(set(buckets)))
-        self.pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every bucket's graph
-        self._graphs = {T: self._capture(T) for T in self.buckets}
+        self._buckets: dict[int, _Bucket] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
 
     def bucket(self, num_tokens: int) -> int:
         for b in self.buckets:
             if b >= num_tokens:
                 return b
-        raise ValueError(f"verify of {num_tokens} tokens exceeds the largest captured bucket {self.buckets[-1]}")
+        raise ValueError(f"a forward of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
-    def _capture(self, T: int) -> _Graph:
-        device = self.cache.kv.device
-        ids = torch.zeros(1, T, dtype=torch.int64, device=device)
-        pos = torch.zeros(1, T, dtype=torch.int64, device=device)
-        prefix = torch.zeros(1, dtype=torch.int64, device=device)
-        mask = torch.eye(T, dtype=torch.bool, device=device)[None]
-        run = lambda: self.lean.forward_static(self.cache, ids, pos, (self.slot,), prefix, mask)  # noqa: E731
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, prefix_len: int | torch.Tensor,
+            tree_mask: torch.Tensor | None) -> LeanOutput:
+        """Forward input_ids/positions [1, T] after `prefix_len` committed keys (a host int, or a
+        [1] device tensor: then the caller makes sure the cache holds prefix + bucket positions),
+        tree_mask [1, T, T] bool (None = causal). Returns the T real tokens' outputs (all logits),
+        owned by the caller."""
+        T = input_ids.shape[1]
+        B = self.bucket(T)
+        if isinstance(prefix_len, int):  # the host knows it: room for the padded keys, no device read
+            self.cache.ensure_len(prefix_len + B)
+        buf = self._buffers(B)
+        self._fill(buf, input_ids, positions, prefix_len, tree_mask)
+        out = self._execute(buf)
+        # Copies: a graph's outputs are overwritten by the next replay, and the engine keeps some
+        # (the drafter's deferred hiddens) across steps.
+        return LeanOutput(logits=out.logits[:, :T].clone(), hidden=out.hidden[:, :T].clone(),
+                          expert_ids=out.expert_ids[:, :T].clone())
+
+    def _buffers(self, B: int) -> _Bucket:
+        buf = self._buckets.get(B)
+        if buf is None:
+            device = self.cache.kv.device
+            eye = torch.eye(B, dtype=torch.bool, device=device)[None]
+            buf = _Bucket(input_ids=torch.zeros(1, B, dtype=torch.int64, device=device),
+                          positions=torch.zeros(1, B, dtype=torch.int64, device=device),
+                          prefix_len=torch.zeros(1, dtype=torch.int64, device=device),
+                          tree_mask=eye.clone(), eye=eye, causal=torch.ones_like(eye).tril())
+            self._buckets[B] = buf
+        return buf
+
+    @staticmethod
+    def _fill(buf: _Bucket, input_ids, positions, prefix_len, tree_mask) -> None:
+        """Copy one forward's inputs into the bucket's buffers, padded (device copies only)."""
+        T, B = input_ids.shape[1], buf.input_ids.shape[1]
+        buf.input_ids.zero_()
+        buf.input_ids[:, :T].copy_(input_ids)
+        buf.positions.copy_(positions[:, -1:].expand(1, B))  # padded rows: any in-range position
+        buf.positions[:, :T].copy_(positions)
+        if isinstance(prefix_len, int):
+            buf.prefix_len.fill_(prefix_len)
+        else:
+            buf.prefix_len.copy_(prefix_len.reshape(1))
+        buf.tree_mask.copy_(buf.eye)
+        if tree_mask is None:  # causal among the real tokens
+            buf.tree_mask[:, :T, :T].copy_(buf.causal[:, :T, :T])
+        else:
+            buf.tree_mask[:, :T, :T].copy_(tree_mask)
+
+    def _call(self, buf: _Bucket) -> LeanOutput:
+        """The static-shape forward over the bucket's buffers: what a CUDA graph captures."""
+        return self.lean.forward_static(self.cache, buf.input_ids, buf.positions, (self.slot,), buf.prefix_len,
+                                        buf.tree_mask)
+
+    def _execute(self, buf: _Bucket) -> LeanOutput:
+        return self._call(buf)
+
+
+class VerifyGraphs(StaticVerify):
+    """`StaticVerify` with each bucket's call captured as a CUDA graph on first use and replayed
+    after. All graphs share one memory pool. Growing the cache (or the rotary table) moves
+    tensors the graphs point at, so every graph is dropped and recaptured lazily."""
+
+    def __init__(self, lean: LeanForward, cache: StaticKVCache, slot: int, buckets: tuple[int, ...]):
+        if not cache.kv.is_cuda:
+            raise ValueError("VerifyGraphs needs a CUDA cache (use StaticVerify on CPU)")
+        super().__init__(lean, cache, slot, buckets)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._captured_for: tuple[torch.Tensor, object] | None = None
+        self.captures = 0  # graphs captured so far (recaptures after growth included)
+
+    def _execute(self, buf: _Bucket) -> LeanOutput:
+        current = (self.cache.kv, self.lean._cos)
+        if self._captured_for is not None and (current[0] is not self._captured_for[0]
+                                               or current[1] is not self._captured_for[1]):
+            for b in self._buckets.values():  # the graphs point at the old cache: recapture lazily
+                b.graph, b.output = None, None
+        if buf.graph is None:
+            try:
+                self._capture(buf)
+            except Exception as e:  # a kernel that cannot be captured, or out of memory
+                raise GraphCaptureError(str(e)) from e
+            self._captured_for = (self.cache.kv, self.lean._cos)
+        buf.graph.replay()
+        return buf.output
+
+    def _capture(self, buf: _Bucket) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits)
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits, rotary table)
             for _ in range(2):
-                run()
+                self._call(buf)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
-        return _Graph(graph, ids, pos, prefix, mask, out)
+            out = self._call(buf)
+        buf.graph, buf.output = graph, out
+        self.captures += 1
+
+
+RUNNER_KINDS = ("graphs", "static")
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing a bucket's CUDA graph failed (the caller falls back to the eager forward)."""
+
+
+def make_runner(kind: str, lean: LeanForward, cache: StaticKVCache, slot: int,
+                buckets: tuple[int, ...]) -> StaticVerify:
+    """"graphs": CUDA graphs per bucket (CUDA only); "static": the same bucketed call run eagerly."""
+    if kind == "graphs":
+        return VerifyGraphs(lean, cache, slot, buckets)
+    if kind == "static":
+        return StaticVerify(lean, cache, slot, buckets)
+    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+
+
+def warn_fallback(error: BaseException) -> None:
+    """The one warning printed when graph capture fails and the target falls back to eager."""
+    warnings.warn(f"CUDA graph capture of the verify forward failed ({type(error).__name__}: {error}); "
+                  "running the verify forward eagerly from now on", RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter extensions (commit / catch-up): the drafter forward over the n tokens a step committed
+
+
+@dataclass
+class _ExtendBucket:
+    input_ids: torch.Tensor  # [1, B] int64
+    hidden: torch.Tensor  # [1, B, W] target features
+    start: torch.Tensor  # [1] int64 committed drafter positions
+    graph: object | None = None
+    output: object | None = None  # Eagle3Output of the graph
+
+
+class StaticDrafterExtend:
+    """Drafter cache extensions by n <= max(buckets) positions through the static-shape drafter
+    forward (`eagle3_static.py`) of the smallest bucket >= n, over the cache's whole K/V buffer.
+    `_call` is what `DrafterGraphs` captures; this class runs it eagerly (the CPU reference)."""
+
+    def __init__(self, drafter, buckets: tuple[int, ...]):
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"extension buckets must be positive, got {buckets}")
+        self.drafter = drafter
+        self.buckets = tuple(sorted(set(buckets)))
+        self._buckets: dict[int, _ExtendBucket] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"an extension of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, prefix_len: torch.Tensor,
-            tree_mask: torch.Tensor | None) -> LeanOutput:
-        """Replay the bucket graph for input_ids/positions [1, T] and tree_mask [1, T, T]
-        (None = causal); prefix_len [1] on the device. Returns outputs sliced to the T real tokens."""
-        T = input_ids.shape[1]
-        g = self._graphs[self.bucket(T)]
-        B = g.input_ids.shape[1]
-        g.input_ids.fill_(0)
-        g.input_ids[:, :T].copy_(input_ids)
-        g.positions.copy_(positions[:, -1:].expand(1, B))
-        g.positions[:, :T].copy_(positions)
-        g.prefix_len.copy_(prefix_len)
-        g.tree_mask.copy_(torch.eye(B, dtype=torch.bool, device=g.tree_mask.device)[None])
-        if tree_mask is None:
-            tree_mask = torch.ones(T, T, dtype=torch.bool, device=g.tree_mask.device).tril()[None]
-        g.tree_mask[:, :T, :T].copy_(tree_mask)
-        g.graph.replay()
-        o = g.output
-        return LeanOutput(logits=o.logits[:, :T], hidden=o.hidden[:, :T], expert_ids=o.expert_ids[:, :T])
+    def run(self, kv: torch.Tensor, start: int, token_ids: torch.Tensor, hidden: torch.Tensor):
+        """Extend the drafter K/V buffer kv [2, 1, KVH, capacity, D] (capacity >= start + bucket)
+        by token_ids [1, n] paired with hidden [1, n, W]; returns the n real rows' Eagle3Output."""
+        n = token_ids.shape[1]
+        B = self.bucket(n)
+        if kv.shape[3] < start + B:
+            raise ValueError(f"the drafter buffer holds {kv.shape[3]} positions, the bucket needs {start + B}")
+        buf = self._buffers(B, hidden)
+        buf.input_ids.zero_()
+        buf.input_ids[:, :n].copy_(token_ids)
+        buf.hidden.zero_()
+        buf.hidden[:, :n].copy_(hidden)
+        buf.start.fill_(start)
+        out = self._execute(buf, kv)
+        from .eagle3 import Eagle3Output
+
+        return Eagle3Output(logits=out.logits[:, :n].clone(), hidden=out.hidden[:, :n].clone(),
+                            keys=out.keys[:, :, :n].clone(), values=out.values[:, :, :n].clone())
+
+    def _buffers(self, B: int, hidden: torch.Tensor) -> _ExtendBucket:
+        buf = self._buckets.get(B)
+        if buf is None or buf.hidden.shape[-1] != hidden.shape[-1] or buf.hidden.dtype != hidden.dtype:
+            device = hidden.device
+            buf = _ExtendBucket(input_ids=torch.zeros(1, B, dtype=torch.int64, device=device),
+                                hidden=hidden.new_zeros(1, B, hidden.shape[-1]),
+                                start=torch.zeros(1, dtype=torch.int64, device=device))
+            self._buckets[B] = buf
+        return buf
+
+    def _call(self, buf: _ExtendBucket, kv: torch.Tensor):
+        from .eagle3_static import extension_inputs, static_drafter_forward
+
+        positions, write_idx, visible = extension_inputs(buf.start, buf.input_ids.shape[1], kv.shape[3])
+        return static_drafter_forward(self.drafter, kv, buf.hidden, buf.input_ids, positions, write_idx, visible)
+
+    def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
+        return self._call(buf, kv)
+
+
+class DrafterGraphs(StaticDrafterExtend):
+    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use. A graph is
+    bound to one K/V buffer: a new request's buffer (or a grown one) drops every graph, which is
+    recaptured lazily. NOT YET RUN ON A GPU."""
+
+    def __init__(self, drafter, buckets: tuple[int, ...]):
+        if not drafter.lm_head.weight.is_cuda:
+            raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
+        super().__init__(drafter, buckets)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._kv: torch.Tensor | None = None
+        self.captures = 0
+
+    def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
+        if kv is not self._kv:
+            for b in self._buckets.values():
+                b.graph, b.output = None, None
+            self._kv = kv
+        if buf.graph is None:
+            try:
+                self._capture(buf, kv)
+            except Exception as e:
+                raise GraphCaptureError(str(e)) from e
+        buf.graph.replay()
+        return buf.output
+
+    def _capture(self, buf: _ExtendBucket, kv: torch.Tensor) -> None:
+        # Warm-up writes this extension's keys, which the replay below writes again (same inputs).
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call(buf, kv)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._call(buf, kv)
+        buf.graph, buf.output = graph, out
+        self.captures += 1
+
+
+def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticDrafterExtend:
+    """"graphs": CUDA graphs of the drafter's extension forwards; "static": the same call eagerly."""
+    if kind == "graphs":
+        return DrafterGraphs(drafter, buckets)
+    if kind == "static":
+        return StaticDrafterExtend(drafter, buckets)
+    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")

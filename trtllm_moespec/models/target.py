@@ -31,6 +31,7 @@ from torch import nn
 from ..core.layout import TreeLayout
 from .arch import ArchSpec, arch_spec, default_capture_layers, layer_types, router_topk_ids
 from .checkpoint import check_safetensors_dir, load_hf_checked, parse_dtype
+from .cuda_graphs import GraphCaptureError, StaticVerify, make_runner, warn_fallback
 from .kv_cache import StaticKVCache
 from .lean_forward import ForwardBatch, LeanForward
 
@@ -85,6 +86,9 @@ class TargetModel:
         self._embed_weight = model.get_input_embeddings().weight  # Module.to() moves it in place
         self.lean: LeanForward | None = None
         self._pool: StaticKVCache | None = None
+        self._runner_kind: str | None = None  # "graphs" / "static": bucketed static-shape forwards (cuda_graphs.py)
+        self._runner_buckets: tuple[int, ...] = ()
+        self._runners: dict[int, StaticVerify] = {}  # per cache slot
         if model_impl == "lean":
             _check_lean_supported(config)
             self.lean = LeanForward(model, self.spec.name, self.capture_layers, self.layer_types,
@@ -188,6 +192,32 @@ class TargetModel:
         cache.slot = self._pool.acquire(owner=cache)
         return cache
 
+    def use_verify_runner(self, kind: str | None, buckets: tuple[int, ...] = ()) -> None:
+        """Route lean forwards of up to max(buckets) tokens (verifies, plain steps, short prefills)
+        through the static-shape forward of the smallest bucket that holds them: "graphs" replays
+        a CUDA graph per bucket, captured on first use; "static" runs the same call eagerly (the
+        CPU reference of what the graphs capture); None: the ordinary eager forward."""
+        if kind is not None:
+            if self.lean is None:
+                raise ValueError("bucketed verify forwards need model_impl='lean'")
+            if kind == "graphs" and self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a CUDA device, the target is on {self.device}")
+            if not buckets:
+                raise ValueError("use_verify_runner needs at least one bucket")
+        self._runner_kind, self._runner_buckets, self._runners = kind, tuple(buckets), {}
+
+    def verify_length(self, num_tokens: int) -> int:
+        """The length a verify of `num_tokens` positions actually runs at: its bucket when bucketed
+        forwards are on and it fits one, else itself."""
+        if self._runner_kind is None or num_tokens > self._runner_buckets[-1]:
+            return num_tokens
+        return next(b for b in self._runner_buckets if b >= num_tokens)
+
+    @property
+    def verify_runner(self) -> str | None:
+        """How short lean forwards run: "graphs", "static" or None (eager)."""
+        return self._runner_kind
+
     # ------------------------------------------------------------------ forwards
     @torch.no_grad()
     def prefill(self, cache: TargetCache, input_ids: torch.Tensor, all_logits: bool = False) -> TargetOutput:
@@ -232,7 +262,9 @@ class TargetModel:
         """
         if layout.batch_size != 1:
             raise ValueError(f"TargetModel.verify handles one request at a time, got a layout of batch {layout.batch_size}")
-        self._check_ready(cache, layout.token_ids)
+        # Drafted ids come from the drafter's own vocabulary map; reading their range back would be
+        # a host sync before every verify on CUDA, so only CPU (where it is free) checks the values.
+        self._check_ready(cache, layout.token_ids, check_values=self.device.type == "cpu")
         P = cache.num_tokens
         positions = layout.position_ids(P).to(self.device)
         if self.lean is not None:
@@ -283,11 +315,13 @@ class TargetModel:
         cache.num_pending = 0
 
     # ------------------------------------------------------------------ helpers
-    def _check_ready(self, cache: TargetCache, token_ids: torch.Tensor) -> None:
+    def _check_ready(self, cache: TargetCache, token_ids: torch.Tensor, check_values: bool = True) -> None:
         if cache.num_pending:
             raise ValueError("the cache has uncommitted tree slots: call commit() after verify()")
         if token_ids.dim() != 2 or token_ids.shape[0] != 1 or token_ids.shape[1] == 0:
             raise ValueError(f"expected token ids of shape [1, T>0], got {tuple(token_ids.shape)}")
+        if not check_values:
+            return
         low, high = (int(v) for v in torch.aminmax(token_ids))  # one reduction, one read back
         if high >= self.vocab_size or low < 0:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range [{low}, {high}]")
@@ -302,9 +336,30 @@ class TargetModel:
         return masks
 
     def _lean_forward(self, cache: TargetCache, input_ids, positions, tree_mask, logits_to_keep: int) -> TargetOutput:
+        runner = self._runner(cache, input_ids.shape[1])
+        if runner is not None:
+            try:
+                out = runner.run(input_ids, positions, cache.num_tokens, tree_mask)
+            except GraphCaptureError as e:  # once: every later forward runs eagerly
+                warn_fallback(e.__cause__ or e)
+                self.use_verify_runner(None)
+            else:
+                logits = out.logits if logits_to_keep == 0 else out.logits[:, -logits_to_keep:]
+                return TargetOutput(logits=logits, hidden=out.hidden, expert_ids=out.expert_ids)
         batch = ForwardBatch(input_ids, positions, (cache.slot,), (cache.num_tokens,), tree_mask, logits_to_keep)
         out = self.lean.forward(cache.kv, batch)
         return TargetOutput(logits=out.logits, hidden=out.hidden, expert_ids=out.expert_ids)
+
+    def _runner(self, cache: TargetCache, num_tokens: int) -> StaticVerify | None:
+        """This slot's bucketed runner when one is enabled and the forward fits its largest bucket
+        (long prompt prefills stay eager, as EVICT's prefill does)."""
+        if self._runner_kind is None or num_tokens > self._runner_buckets[-1]:
+            return None
+        runner = self._runners.get(cache.slot)
+        if runner is None or runner.cache is not cache.kv:
+            runner = make_runner(self._runner_kind, self.lean, cache.kv, cache.slot, self._runner_buckets)
+            self._runners[cache.slot] = runner
+        return runner
 
     def _forward(self, cache: TargetCache, input_ids, positions, mask, logits_to_keep: int) -> TargetOutput:
         recorder = _Recorder(self._capture_modules, self._routers, self.experts_per_token)

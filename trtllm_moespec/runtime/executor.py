@@ -90,13 +90,31 @@ class ExecutorBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
-class _PytorchBackend:
-    def __init__(self, spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None, ep: Any = None):
-        import trtllm_moespec
+def _pytorch_backend(spec: EngineSpec, engine_dir: Path, device: str | None, dtype: str | None, ep: Any,
+                     max_batch_size: int) -> ExecutorBackend:
+    """The PyTorch engine behind the Executor: the batched engine (`serve.backend.BatchedBackend`:
+    concurrent calls share engine steps, each request's output identical to running it alone),
+    or one request at a time where batching is not available (expert parallelism under mpirun,
+    an analysis policy that needs the target's scores per request)."""
+    import trtllm_moespec
 
-        kwargs = pytorch_llm_kwargs(spec, engine_dir, device, dtype)
-        kwargs["tree"] = trtllm_moespec.TreeConfig(**kwargs["tree"])
-        self.llm = trtllm_moespec.LLM(**kwargs, ep=ep)
+    kwargs = pytorch_llm_kwargs(spec, engine_dir, device, dtype)
+    kwargs["tree"] = trtllm_moespec.TreeConfig(**kwargs["tree"])
+    llm = trtllm_moespec.LLM(**kwargs, ep=ep)
+    if ep is None and not llm.engine.policy.needs_target:
+        from ..serve.backend import BatchedBackend
+
+        return BatchedBackend(llm, max_batch_size)
+    log.warning("MoESpec executor: %s; requests run one at a time",
+                "expert-parallel engine" if ep is not None else f"policy {spec.policy} cannot run batched")
+    return _PytorchBackend(llm)
+
+
+class _PytorchBackend:
+    """One request at a time on `trtllm_moespec.LLM` (where the batched engine cannot run)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
 
     def generate(self, prompts: Sequence[str], params: Any) -> list[Any]:
         return self.llm.generate(list(prompts), params)
@@ -170,8 +188,11 @@ class Executor:
 
     def __init__(self, engine_dir: str | Path, backend: str = "auto", *, device: str | None = None,
                  dtype: str | None = None, profile: int | None = None, mpi_session: Any = None,
-                 world_size: int = 1, ep: Any = None):
-        """ep: rank 0's `parallel.run.EPContext` when the PyTorch engine runs expert-parallel under mpirun."""
+                 world_size: int = 1, ep: Any = None, max_batch_size: int = 8):
+        """ep: rank 0's `parallel.run.EPContext` when the PyTorch engine runs expert-parallel under mpirun;
+        max_batch_size: requests the PyTorch engine decodes together (concurrent calls share its steps)."""
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.engine_dir = Path(engine_dir)
         self.spec = load_engine_spec(self.engine_dir)
         self.backend = choose_backend(backend, trtllm_available())
@@ -182,7 +203,13 @@ class Executor:
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
-            self._impl = _PytorchBackend(self.spec, self.engine_dir, device, dtype, ep)
+            self._impl = _pytorch_backend(self.spec, self.engine_dir, device, dtype, ep, max_batch_size)
+
+    @property
+    def batched(self) -> bool:
+        """Do concurrent calls share engine steps (the PyTorch engine's continuous batch)? Callers
+        such as the Triton model then run their requests concurrently instead of one by one."""
+        return type(self._impl).__name__ == "BatchedBackend"
 
     def generate(self, prompts: str | Sequence[str], sampling_params: Any = None) -> list[Any]:
         if isinstance(prompts, str):

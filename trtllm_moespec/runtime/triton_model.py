@@ -222,6 +222,15 @@ def load_model_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _engine_batch_size(config: dict[str, Any]) -> int:
+    """Requests the PyTorch engine decodes together: Triton's max_batch_size, or 8 where it is 0
+    (Triton's 0 means no batch dimension in the tensors, not one request at a time)."""
+    size = int(config["triton_config"]["max_batch_size"])
+    if size < 0:
+        raise ValueError(f"triton_config.max_batch_size must be >= 0, got {size}")
+    return size or 8
+
+
 def make_triton_model(model_yaml: str | Path) -> type:
     """The TritonPythonModel class for a repository whose model.yaml is `model_yaml`.
 
@@ -255,7 +264,8 @@ def make_triton_model(model_yaml: str | Path) -> type:
                 return  # the PyTorch engine runs on rank 0 only
             session = leader_mpi_session(size) if size > 1 else None
             self.executor = Executor(config["engine_dir"], backend, device=config.get("device"),
-                                     dtype=config.get("dtype"), mpi_session=session, world_size=size)
+                                     dtype=config.get("dtype"), mpi_session=session, world_size=size,
+                                     max_batch_size=_engine_batch_size(config))
 
         def _sampling(self, params: RequestParams) -> Any:
             from .. import SamplingParams
@@ -273,10 +283,20 @@ def make_triton_model(model_yaml: str | Path) -> type:
             import triton_python_backend_utils as pb_utils
 
             if not self.decoupled:
-                return [handle_request(pb_utils, r, self._generate) for r in requests]
-            for request in requests:  # each request is answered as soon as it finishes
-                serve_decoupled(pb_utils, request, self._stream)
+                return self._each(requests, lambda r: handle_request(pb_utils, r, self._generate))
+            self._each(requests, lambda r: serve_decoupled(pb_utils, r, self._stream))  # each answered when it finishes
             return None
+
+        def _each(self, requests: list[Any], handle: Callable[[Any], Any]) -> list[Any]:
+            """handle(request) for each request, in order; concurrently (one thread per request) when the
+            executor batches, so Triton's batch of requests shares the engine's steps."""
+            executor = getattr(self, "executor", None)
+            if executor is None or not executor.batched or len(requests) < 2:
+                return [handle(r) for r in requests]
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(requests), thread_name_prefix="moespec-triton") as pool:
+                return list(pool.map(handle, requests))
 
         def finalize(self) -> None:
             if self.executor is not None:

@@ -16,9 +16,8 @@ from typing import Iterator, Sequence
 from ..api import LLM, RequestOutput, SamplingParams, StreamEvent
 from ..engine.engine import Request
 from .detokenize import TextStream
-from .engine import make_request
+from .engine import make_engine, make_request
 from .scheduler import FinishEvent, Scheduler, TokenEvent
-from .server import make_engine
 
 
 class BatchedBackend:

@@ -152,3 +152,20 @@ class BatchedServingEngine:
         outputs, experts = self.engine.step()
         return ([StepOutput(o.request, o.new_ids, o.finished, step=o.step) for o in outputs],
                 BatchStepStats(len(outputs), time.perf_counter() - t0, experts))
+
+
+ENGINES = ("batched", "joint-batch", "evict-batch", "ecospec-batch", "round-robin")
+
+
+def make_engine(llm: "LLM", max_batch_size: int, kind: str = "batched") -> ServingEngine:
+    """The serving engine for a loaded model: "batched" (one target forward per step for the whole
+    batch, each request with its own policy), a batch policy ("joint-batch", "evict-batch",
+    "ecospec-batch": batched, nodes chosen across the batch; needs the model loaded with policy
+    joint, evict, ecospec) or "round-robin" (requests stepped one after another, each with its own
+    forward: the reference the batched engine is tested against)."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown serving engine {kind!r}; choose one of {', '.join(ENGINES)}")
+    if kind == "round-robin":
+        return RoundRobinEngine(llm.engine, max_batch_size)
+    return BatchedServingEngine(BatchedEngine(llm.engine, max_batch_size,
+                                              batch_policy=None if kind == "batched" else kind))

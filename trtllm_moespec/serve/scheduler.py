@@ -189,11 +189,13 @@ class Scheduler:
             with self._cond:
                 del self._running[id(out.request)]
                 ticket.state = "done"
+            # Counted before the caller hears of it: a client that reads /metrics right after its
+            # response must see its request finished.
+            self.metrics.record_finish(out.error is not None)
             if out.error is not None:
                 ticket.sink(FinishEvent("error", out.error))
             else:
                 ticket.sink(FinishEvent(out.request.finish_reason or "length"))
-            self.metrics.record_finish(out.error is not None)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
@@ -202,8 +204,8 @@ class Scheduler:
         for ticket in tickets:
             self.engine.abort(ticket.request)
             ticket.state = "done"
-            ticket.sink(FinishEvent("error", message))
             self.metrics.record_finish(True)
+            ticket.sink(FinishEvent("error", message))
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -17,26 +17,10 @@ from pathlib import Path
 
 from ..api import LLM
 from .app import Server, build_app
-from ..engine.batch import BatchedEngine
-from .engine import BatchedServingEngine, RoundRobinEngine, ServingEngine
+from .engine import ENGINES, ServingEngine, make_engine  # noqa: F401  (make_engine: re-exported)
 from .scheduler import Scheduler
 
 log = logging.getLogger("trtllm_moespec.serve")
-
-
-ENGINES = ("batched", "joint-batch", "round-robin")
-
-
-def make_engine(llm: LLM, max_batch_size: int, kind: str = "batched") -> ServingEngine:
-    """The serving engine for a loaded model: "batched" (one target forward per step for the whole
-    batch, each request with its own policy), "joint-batch" (batched, nodes chosen across the batch
-    on the shared expert union; needs policy joint) or "round-robin" (requests stepped one after
-    another, each with its own forward: the reference the batched engine is tested against)."""
-    if kind not in ENGINES:
-        raise ValueError(f"unknown serving engine {kind!r}; choose one of {', '.join(ENGINES)}")
-    if kind == "round-robin":
-        return RoundRobinEngine(llm.engine, max_batch_size)
-    return BatchedServingEngine(BatchedEngine(llm.engine, max_batch_size, joint_batch=kind == "joint-batch"))
 
 
 class ServerThread:
@@ -99,11 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cli import _add_model_args
 
     p = argparse.ArgumentParser(prog="moespec serve", description="OpenAI-compatible HTTP server")
-    _add_model_args(p)
-    policy = next(a for a in p._actions if a.dest == "policy")  # the shared model options, plus joint-batch
-    policy.choices = [*policy.choices, "joint-batch"]
-    policy.metavar = "{" + ",".join(policy.choices) + "}"
-    policy.help = (policy.help or "") + "; joint-batch: joint's nodes chosen across the whole batch"
+    _add_model_args(p, batch_policies=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
@@ -130,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    from ..cli import _llm_from_args
+    from ..cli import BATCH_POLICY_CHOICES, _llm_from_args
 
     kind = args.engine
-    if args.policy == "joint-batch":  # the joint policy's drafter, predictor and cost model, selected across the batch
+    if args.policy in BATCH_POLICY_CHOICES:  # X-batch: policy X's drafter, predictor and costs, selected across the batch
         if kind != "batched":
-            raise ValueError("--policy joint-batch needs --engine batched")
-        args.policy, kind = "joint", "joint-batch"
+            raise ValueError(f"--policy {args.policy} needs --engine batched")
+        args.policy, kind = args.policy.removesuffix("-batch"), args.policy
     llm = _llm_from_args(args)
     name = args.served_model_name or args.model
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,101 @@
+"""The engine with bucketed static-shape verify forwards (`TargetModel.use_verify_runner("static")`:
+the function `VerifyGraphs` captures on CUDA, run eagerly) decodes exactly what plain decoding does,
+for ar, eagle3 and joint, on Qwen3-MoE and GPT-OSS; and the `cuda_graphs` option's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.models.cuda_graphs import verify_buckets
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 4], [1, 2, 3, 1, 2, 3, 1, 2]]
+MAX_TOKENS = 20  # > 2 * the GPT-OSS test window (8)
+
+
+def _llm(checkpoints, arch, policy, **kwargs):
+    target, draft = checkpoints[arch]
+    predictor = "oracle" if policy == "joint" else None
+    return LLM(str(target), draft_model=str(draft), policy=policy, predictor=predictor, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_static_verify_engine_equals_plain_decoding(checkpoints, arch):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    for policy in ("ar", "eagle3", "joint"):
+        llm = _llm(checkpoints, arch, policy)
+        assert llm.cuda_graphs is False and llm.target.verify_runner is None  # CPU default: eager
+        llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == plain, f"{policy} with the static verify diverged"
+        assert llm.target._runners, "the static path was never used"
+        if policy != "ar":
+            assert sum(o.stats.verified_tokens for o in outs) > 0
+
+
+def test_cuda_graphs_option_is_checked_before_loading(checkpoints):
+    target, _ = checkpoints["qwen3_moe"]
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        LLM(str(target), policy="ar", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        LLM(str(target), policy="ar", cuda_graphs="yes")
+    assert LLM(str(target), policy="ar", cuda_graphs=False).cuda_graphs is False
+
+
+def test_device_selection_cuts_the_selection_to_its_verify_bucket(checkpoints):
+    """The CUDA step's one read-back: the selected count picks the bucket; the selection is cut or
+    -1 padded to it (called here on CPU tensors: the method itself has no device-specific code)."""
+    import torch
+
+    from trtllm_moespec.core.tree import DraftTree
+
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    parents = torch.tensor([[-1, 0, 1, -1, 3, 4, 5, 0, 7, 8]])
+    tree = DraftTree.from_parents(torch.arange(10)[None], parents, torch.full((1, 10), 0.5))
+    node_idx = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1]])  # 5 selected, depths 1 2 3 1 2
+    llm.target.use_verify_runner("static", (1, 2, 4, 8, 16))
+    cut, depth = llm.engine._device_selection(tree, node_idx)
+    assert depth == 3 and cut.tolist() == [[0, 1, 2, 3, 4, -1, -1]]  # 1 + 5 positions -> bucket 8
+    llm.target.use_verify_runner("static", (1, 16))
+    cut, _ = llm.engine._device_selection(tree, node_idx)
+    assert cut.shape == (1, 15) and cut[0, :5].tolist() == [0, 1, 2, 3, 4] and bool((cut[0, 5:] == -1).all())
+    llm.target.use_verify_runner(None)
+    cut, depth = llm.engine._device_selection(tree, node_idx)
+    assert cut.tolist() == [[0, 1, 2, 3, 4]] and depth == 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["eagle3", "joint"])
+def test_static_drafter_extensions_keep_greedy_output(checkpoints, arch, policy):
+    """The drafter's per-step extension through the static-shape drafter forward (what
+    `DrafterGraphs` captures), together with the static verify: greedy output unchanged."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    llm = _llm(checkpoints, arch, policy)
+    llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
+    source = llm.engine.draft_source
+    source.extend_runner = StaticDrafterExtend(source.drafter, verify_buckets(llm.tree.steps))
+    calls = []
+    run = source.extend_runner.run
+    source.extend_runner.run = lambda *a: calls.append(a[2].shape[1]) or run(*a)  # count real uses
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert calls and max(calls) <= llm.tree.steps + 1
+    eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
+    # the drafter state matches too: every step accepted as many tokens as with the eager drafter
+    assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]
+
+
+def test_cli_cuda_graphs_flag():
+    import argparse
+
+    from trtllm_moespec.cli import _add_model_args
+
+    p = argparse.ArgumentParser()
+    _add_model_args(p)
+    assert p.parse_args([]).cuda_graphs is None
+    assert p.parse_args(["--cuda-graphs"]).cuda_graphs is True
+    assert p.parse_args(["--no-cuda-graphs"]).cuda_graphs is False

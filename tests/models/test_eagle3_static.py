@@ -1,0 +1,107 @@
+"""The static-shape drafter forward (models/eagle3_static.py: what a CUDA graph of a drafter
+forward captures) equals `Eagle3Drafter.forward` for extensions padded to a bucket and for
+tree-drafting steps with the frontier padded to its full width."""
+
+import pytest
+import torch
+
+from trtllm_moespec.models.eagle3 import load_eagle3, write_random_drafter
+from trtllm_moespec.models.eagle3_static import extension_inputs, frontier_visibility, static_drafter_forward
+from trtllm_moespec.models.target import TargetModel
+
+from .conftest import build_hf, qwen3_moe_config
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    target = TargetModel(build_hf(qwen3_moe_config(), seed=11))
+    path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3s"), seed=3, draft_vocab_size=96,
+                                with_embeddings=False, init_std=0.2)
+    return load_eagle3(path, target=target)
+
+
+def _prefilled(drafter, S: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    cache = drafter.new_cache()
+    width = drafter.fc.in_features
+    drafter.extend(cache, torch.randint(0, 128, (1, S), generator=gen), torch.randn(1, S, width, generator=gen))
+    a = drafter.midlayer.self_attn
+    cache.reserve(S + 64, a.num_kv_heads, a.head_dim, cache.kv.dtype, cache.kv.device)
+    return cache, gen
+
+
+@pytest.mark.parametrize("T,bucket", [(1, 1), (1, 4), (3, 4), (5, 8), (8, 8)])
+def test_static_extension_equals_the_drafter_forward(drafter, T, bucket):
+    cache, gen = _prefilled(drafter, 9, seed=T + bucket)
+    S, width = cache.num_tokens, drafter.fc.in_features
+    ids, hidden = torch.randint(0, 128, (1, T), generator=gen), torch.randn(1, T, width, generator=gen)
+    ref_kv, static_kv = cache.kv.clone(), cache.kv.clone()
+    ref = drafter(hidden, input_ids=ids, cache_kv=ref_kv, cache_start=S)
+    pad = bucket - T
+    ids_b = torch.cat([ids, torch.zeros(1, pad, dtype=torch.int64)], 1)
+    hidden_b = torch.cat([hidden, torch.zeros(1, pad, width)], 1)
+    pos, write_idx, visible = extension_inputs(torch.tensor([S]), bucket, static_kv.shape[3])
+    out = static_drafter_forward(drafter, static_kv, hidden_b, ids_b, pos, write_idx, visible)
+    torch.testing.assert_close(out.logits[:, :T], ref.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden[:, :T], ref.hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(static_kv[..., :S + T, :], ref_kv[..., :S + T, :], atol=ATOL, rtol=0)
+    assert torch.equal(static_kv[..., :S, :], cache.kv[..., :S, :])  # committed keys untouched
+
+
+@pytest.mark.parametrize("F_,topk,slots", [(2, 2, 0), (3, 4, 2), (4, 4, 6)])
+def test_static_frontier_step_equals_the_drafter_forward(drafter, F_, topk, slots):
+    """A drafting step: F frontier rows at S + slots.., each seeing the prefix, some earlier tree
+    slots and itself (a random ancestor pattern); the static forward pads the frontier to topk."""
+    cache, gen = _prefilled(drafter, 7, seed=F_ * 10 + slots)
+    S, H = cache.num_tokens, drafter.config.hidden_size
+    start = S + slots
+    cache.kv[..., S:start, :] = torch.randn(cache.kv[..., S:start, :].shape, generator=gen)  # earlier tree keys
+    allowed = torch.zeros(F_, start + F_, dtype=torch.bool)
+    allowed[:, :S] = True
+    allowed[:, S:start] = torch.rand(F_, slots, generator=gen) < 0.5
+    allowed[:, start:] = torch.eye(F_, dtype=torch.bool)
+    mask = torch.zeros(1, 1, F_, start + F_).masked_fill_(~allowed[None, None], torch.finfo(torch.float32).min)
+    ids, hidden = torch.randint(0, 128, (1, F_), generator=gen), torch.randn(1, F_, H, generator=gen)
+    pos = torch.full((1, F_), S + 1)
+    ref_kv, static_kv = cache.kv.clone(), cache.kv.clone()
+    ref = drafter(hidden, input_ids=ids, position_ids=pos, attention_mask=mask, cache_kv=ref_kv, cache_start=start)
+    write_idx = start + torch.arange(topk)
+    visible = frontier_visibility(mask, static_kv.shape[3], write_idx)
+    pad = topk - F_
+    out = static_drafter_forward(drafter, static_kv, torch.cat([hidden, torch.zeros(1, pad, H)], 1),
+                                 torch.cat([ids, torch.zeros(1, pad, dtype=torch.int64)], 1),
+                                 torch.full((1, topk), S + 1), write_idx, visible)
+    torch.testing.assert_close(out.logits[:, :F_], ref.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden[:, :F_], ref.hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(static_kv[..., :start + F_, :], ref_kv[..., :start + F_, :], atol=ATOL, rtol=0)
+
+
+def test_frontier_visibility_rejects_masks_that_do_not_fit():
+    mask = torch.zeros(1, 1, 3, 10)
+    with pytest.raises(ValueError, match="exceeds"):
+        frontier_visibility(mask, 8, torch.arange(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        frontier_visibility(mask, 16, torch.arange(2))
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_static_extend_runner_equals_drafter_extend(drafter, n):
+    """`StaticDrafterExtend.run` (what DrafterGraphs captures) leaves the drafter buffer and the
+    last-position outputs as `Eagle3Drafter.extend` does."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+
+    cache, gen = _prefilled(drafter, 6, seed=n)
+    S = cache.num_tokens
+    ids, hidden = torch.randint(0, 128, (1, n), generator=gen), torch.randn(1, n, drafter.fc.in_features, generator=gen)
+    ref_kv = cache.kv.clone()
+    out = StaticDrafterExtend(drafter, (1, 2, 4, 8)).run(cache.kv, S, ids, hidden)
+    static_kv = cache.kv.clone()
+    cache.kv.copy_(ref_kv)
+    drafter.extend(cache, ids, hidden)
+    torch.testing.assert_close(out.logits[:, -1], cache.last_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden[:, -1], cache.last_hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(static_kv[..., :S + n, :], cache.kv[..., :S + n, :], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        StaticDrafterExtend(drafter, (1, 2)).run(cache.kv, S, ids.repeat(1, 3), hidden.repeat(1, 3, 1))
