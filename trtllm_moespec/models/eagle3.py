@@ -399,8 +399,16 @@ class Eagle3Drafter(nn.Module):
         table = self._rope_table
         covered = table is not None and table[0].dtype == x.dtype and table[0].device == x.device
         # Positions may pass max_position_embeddings (a long request); the table then grows, doubling.
-        # `bound` (1 + the largest position, when the caller knows it on the host) avoids a device sync.
-        need = bound if bound is not None else int(position_ids.max()) + 1
+        # `bound` (1 + the largest position, when the caller knows it on the host) avoids reading the
+        # positions. Without it they are read, except on an accelerator once the table covers
+        # max_position_embeddings: there a read is a device sync (and is illegal in a CUDA graph
+        # capture), so such callers must pass `bound` when positions can go further.
+        if bound is not None:
+            need = bound
+        elif x.device.type != "cpu" and covered and table[0].shape[0] >= self.config.max_position_embeddings:
+            need = 0
+        else:
+            need = int(position_ids.max()) + 1
         if not covered or table[0].shape[0] < need:
             length = max(need, self.config.max_position_embeddings, 2 * table[0].shape[0] if covered else 0)
             cos, sin = self.rotary_emb(x, torch.arange(length, device=x.device)[None])
