@@ -33,17 +33,22 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 class _Timed:
-    """Wraps a bound method and adds up its wall time (benchmark instrumentation only)."""
+    """Wraps a bound method and adds up its wall time (benchmark instrumentation only).
+    The first `skip` calls are not counted: the drafter's first forward is its prompt prefill,
+    which belongs to time-to-first-token, not to the decode steps it would be divided by."""
 
-    def __init__(self, fn):
-        self.fn, self.seconds = fn, 0.0
+    def __init__(self, fn, skip: int = 0):
+        self.fn, self.seconds, self.skip = fn, 0.0, skip
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            if self.skip > 0:
+                self.skip -= 1
+            else:
+                self.seconds += time.perf_counter() - t0
 
 
 def _hf_generate(hf, ids: list[int], tokens: int) -> float:
@@ -64,7 +69,7 @@ def _context_ids(llm: LLM, length: int) -> list[int]:
 def _spec_step(llm: LLM, ids: list[int], params: SamplingParams) -> dict:
     """One eagle3 generation with the drafter's forward timed: per-step ms of each part."""
     drafter = llm.engine.draft_source.drafter
-    timer = drafter.forward = _Timed(type(drafter).forward.__get__(drafter))
+    timer = drafter.forward = _Timed(type(drafter).forward.__get__(drafter), skip=1)
     try:
         out = llm.generate([ids], params)[0]
     finally:

@@ -53,7 +53,7 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_csv(float), default=(0.0, 1.0), help="comma list, e.g. 0,1")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt")
-    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up per method")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up per method and temperature")
     p.add_argument("--seed", type=int, default=0, help="per-prompt sampling seed base (T > 0)")
     p.add_argument("--json", default=None, help="write the JSON report here")
     p.add_argument("--markdown", default=None, help="write the markdown tables here")
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
     state, status, error, rc, runners, sigint = BenchState(), "complete", None, 0, [], None
     try:
         runners = _build_runners(specs, args, tree)
-        warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens)
+        warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens, tuple(args.temperature))
         total = len(args.temperature) * sum(len(v) for v in prompts.values()) * len(runners)
         from tqdm.auto import tqdm
 

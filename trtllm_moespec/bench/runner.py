@@ -60,12 +60,16 @@ def check_lossless(label: str, prompt: Prompt, tokens: list[int], reference: lis
             f"{len(tokens)} vs {len(reference)}). Greedy speculative decoding must be lossless; aborting.")
 
 
-def warm_up(runners: list[MethodRunner], prompt_ids: list[int], max_tokens: int) -> None:
-    """One short untimed generation per method (allocator, kernels, caches)."""
+def warm_up(runners: list[MethodRunner], prompt_ids: list[int], max_tokens: int,
+            temperatures: tuple[float, ...] = (0.0,)) -> None:
+    """One short untimed generation per method and temperature: one-time costs (allocator, kernels,
+    caches, and the goodput guard's first measurements, which an engine keeps per kind of sampling
+    and a server pays once) stay out of the first timed prompt group of each temperature."""
     from ..api import SamplingParams
 
-    for r in runners:
-        r.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    for temperature in temperatures:
+        for r in runners:
+            r.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0))
 
 
 def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], temperatures: list[float], max_tokens: int,

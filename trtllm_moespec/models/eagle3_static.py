@@ -44,7 +44,9 @@ def static_drafter_forward(drafter: Eagle3Drafter, kv: torch.Tensor, hidden: tor
     x = _rms(torch.stack([embeds, h], dim=2), fused.input_norms, eps).view(B, T, 2 * H)
     heads = a.num_heads + 2 * a.num_kv_heads
     qkv = F.linear(x, fused.qkv).view(B, T, heads, a.head_dim)
-    cos, sin_signed = drafter._rope_signed(qkv, positions)
+    # Positions never pass the buffer (a row is written at an index >= its position): a host-known bound,
+    # so no position is read back inside a graph capture, past max_position_embeddings too.
+    cos, sin_signed = drafter._rope_signed(qkv, positions, bound=kv.shape[3])
     qk = qkv[:, :, :a.num_heads + a.num_kv_heads]
     qk = qk * cos + qk.roll(a.head_dim // 2, dims=-1) * sin_signed
     q = qk[:, :, :a.num_heads].transpose(1, 2)

@@ -233,6 +233,9 @@ class _HostIndexedIO:
         sl = slots[:, None].expand(B, T)
         kc[sl, :, idx] = k.transpose(1, 2)  # advanced indices on dims 0 and 2: value is [B, T, Hkv, D]
         vc[sl, :, idx] = v.transpose(1, 2)
+        first = self.slots[0]
+        if self.slots == tuple(range(first, first + B)):  # consecutive slots (the usual batch): views, no copy
+            return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
         return kc[slots, :, start:end], vc[slots, :, start:end]
 
 
