@@ -15,6 +15,13 @@ length is a device tensor filled from the host int the engine already holds, so 
 read back to the host before the replay; attention spans the whole preallocated cache under
 a mask, which is what keeps shapes static.
 
+The drafter has two static runners of its own (section below, same pattern): its per-step
+extension over the committed tokens (`StaticDrafterExtend` / `DrafterGraphs`, a graph per length
+bucket) and its tree-drafting steps (`StaticDrafterFrontier` / `DrafterFrontierGraphs`: the
+frontier padded to topk rows, ONE graph, replayed for every drafting step). Drafter graphs are
+bound to one request's drafter K/V buffer, so each new request recaptures them (lazily, on first
+use); the CPU engine uses neither runner unless a test sets one ("static": the same calls eagerly).
+
 Buckets: the cost profile is dense (C(k) for every k), so it names no verify lengths of its
 own; the buckets are a power-of-two ladder capped by the tree's largest verify
 (`verify_buckets`), the padding EVICT applies when it rounds a selection up to a captured length.
