@@ -1,7 +1,8 @@
 """CUDA checks of the lean engine (skipped without CUDA; `benchmarks/gpu_check.sh` runs them):
 greedy output on moespec-tiny equals transformers `generate` on the same GPU with CUDA graphs on
 and off, graphs-on output equals graphs-off output, and a verify replayed from its bucket's CUDA
-graph equals the eager verify forward. NEVER RUN YET: this project has had no GPU machine."""
+graph equals the eager verify forward, and a tree drafted through the drafter's frontier graph
+equals the eagerly drafted tree. NEVER RUN YET: this project has had no GPU machine."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl,
     if cuda_graphs:
         assert llm.target.verify_runner == "graphs", "capture failed and the target fell back to eager"
         assert sum(r.captures for r in llm.target._runners.values()) >= 1
-        if policy != "ar":  # the drafter's per-step extension replays its own graphs
-            assert llm.engine.draft_source.extend_runner.captures >= 1
+        if policy != "ar":  # the drafter's per-step extension and its tree-drafting steps replay their own graphs
+            source = llm.engine.draft_source
+            assert source.extend_runner is not None and source.extend_runner.captures >= 1
+            assert source.frontier_runner is not None, "tree-drafting capture failed and fell back to eager"
+            assert source.frontier_runner.captures >= 1 and source.frontier_runner.replays > 0
 
 
 @pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
@@ -82,3 +86,29 @@ def test_verify_graph_replay_equals_eager_verify():
                          layout.tree_mask().cuda())
         torch.testing.assert_close(got.logits, eager.logits, atol=1e-4, rtol=0)
         assert torch.equal(got.expert_ids, eager.expert_ids)
+
+
+def test_frontier_graph_drafts_the_eager_tree():
+    """`DrafterFrontierGraphs`: one graph captured for the topk-wide frontier, replayed for every
+    drafting step, drafts the tree `Eagle3Drafter.forward` drafts; a second request's buffer recaptures."""
+    from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs
+    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+
+    llm = LLM("moespec-tiny", policy="eagle3", device="cuda", cuda_graphs=False)
+    source = llm.engine.draft_source
+    assert source.frontier_runner is None  # graphs off: the default path
+    drafter, steps, topk = source.drafter, llm.tree.steps, llm.tree.topk
+    graphs = DrafterFrontierGraphs(drafter, topk)
+    gen = torch.Generator().manual_seed(0)
+    for request in range(2):
+        cache = drafter.new_cache()
+        n = 30 + 7 * request
+        drafter.extend(cache, torch.randint(0, 100, (1, n), generator=gen).cuda(),
+                       torch.randn(1, n, drafter.fc.in_features, generator=gen).cuda().to(drafter.fc.weight.dtype))
+        eager = draft_eagle3_tree(drafter, cache, steps, topk)
+        got = draft_eagle3_tree(drafter, cache, steps, topk, frontier_runner=graphs)
+        assert torch.equal(got.tree.token_ids, eager.tree.token_ids)
+        assert torch.equal(got.tree.parents, eager.tree.parents)
+        torch.testing.assert_close(got.tree.scores, eager.tree.scores, atol=1e-4, rtol=0)
+        assert graphs.captures == request + 1  # one graph per request buffer, not one per step
+    assert graphs.replays == 2 * eager.num_forwards

@@ -67,10 +67,11 @@ def test_device_selection_cuts_the_selection_to_its_verify_bucket(checkpoints):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("policy", ["eagle3", "joint"])
-def test_static_drafter_extensions_keep_greedy_output(checkpoints, arch, policy):
-    """The drafter's per-step extension through the static-shape drafter forward (what
-    `DrafterGraphs` captures), together with the static verify: greedy output unchanged."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
+    """The drafter's per-step extension and its tree-drafting forwards through the static-shape
+    drafter forward (what `DrafterGraphs` / `DrafterFrontierGraphs` capture), together with the
+    static verify: greedy output unchanged."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend, StaticDrafterFrontier
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
@@ -78,15 +79,52 @@ def test_static_drafter_extensions_keep_greedy_output(checkpoints, arch, policy)
     llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
     source = llm.engine.draft_source
     source.extend_runner = StaticDrafterExtend(source.drafter, verify_buckets(llm.tree.steps))
-    calls = []
-    run = source.extend_runner.run
+    source.frontier_runner = StaticDrafterFrontier(source.drafter, llm.tree.topk)
+    calls, frontiers = [], []
+    run, run_frontier = source.extend_runner.run, source.frontier_runner.run
     source.extend_runner.run = lambda *a: calls.append(a[2].shape[1]) or run(*a)  # count real uses
+    source.frontier_runner.run = lambda *a: frontiers.append(a[2].shape[1]) or run_frontier(*a)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == plain
     assert calls and max(calls) <= llm.tree.steps + 1
+    assert frontiers and max(frontiers) <= llm.tree.topk, "the tree-drafting forwards never used the runner"
     eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
     # the drafter state matches too: every step accepted as many tokens as with the eager drafter
     assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]
+
+
+def test_failed_drafter_graph_capture_falls_back_to_eager(checkpoints):
+    """A drafter graph that cannot be captured (here: a runner raising GraphCaptureError, as
+    capture does on a kernel it cannot record) warns, is dropped, and the step drafts and extends
+    eagerly: greedy output unchanged."""
+    from trtllm_moespec.models.cuda_graphs import GraphCaptureError, StaticDrafterExtend, StaticDrafterFrontier
+
+    class Failing:
+        def __init__(self, runner):
+            self.runner, self.calls = runner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+        def run(self, *args):
+            self.calls += 1
+            raise GraphCaptureError("cannot capture")
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, "qwen3_moe", "ar").generate(PROMPTS, params)]
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    source = llm.engine.draft_source
+    extend = Failing(StaticDrafterExtend(source.drafter, verify_buckets(llm.tree.steps)))
+    frontier = Failing(StaticDrafterFrontier(source.drafter, llm.tree.topk))
+    source.extend_runner, source.frontier_runner = extend, frontier
+    with pytest.warns(RuntimeWarning) as record:
+        outs = llm.generate(PROMPTS, params)
+    messages = [str(w.message) for w in record]
+    assert sum("tree-drafting forward failed" in m for m in messages) == 1
+    assert sum("extension forward failed" in m for m in messages) == 1
+    assert [o.token_ids for o in outs] == plain
+    assert frontier.calls == 1 and extend.calls == 1  # tried once each, then eager for good
+    assert source.frontier_runner is None and source.extend_runner is None
 
 
 def test_cli_cuda_graphs_flag():

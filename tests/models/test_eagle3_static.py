@@ -105,3 +105,73 @@ def test_static_extend_runner_equals_drafter_extend(drafter, n):
     torch.testing.assert_close(static_kv[..., :S + n, :], cache.kv[..., :S + n, :], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         StaticDrafterExtend(drafter, (1, 2)).run(cache.kv, S, ids.repeat(1, 3), hidden.repeat(1, 3, 1))
+
+
+def _count_runs(runner):
+    """Wrap runner.run to record the frontier width of every real use."""
+    calls, run = [], runner.run
+    runner.run = lambda kv, hidden, ids, *a: calls.append(ids.shape[1]) or run(kv, hidden, ids, *a)
+    return calls
+
+
+@pytest.mark.parametrize("S,steps,topk,width", [(5, 2, 2, 2), (9, 4, 3, 3), (12, 5, 4, 4), (3, 3, 2, 5), (7, 1, 4, 4)])
+def test_static_frontier_runner_drafts_the_default_tree(drafter, S, steps, topk, width):
+    """`draft_eagle3_tree` with the static frontier runner (what `DrafterFrontierGraphs` captures),
+    the frontier padded to `width` rows, drafts the tree the default path drafts: same tokens and
+    parents, same scores and node features up to float rounding; the committed cache is untouched."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
+    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+
+    cache, _ = _prefilled(drafter, S, seed=S * 7 + steps)
+    committed = cache.kv[..., :S, :].clone()
+    ref = draft_eagle3_tree(drafter, cache, steps, topk)
+    runner = StaticDrafterFrontier(drafter, width)
+    calls = _count_runs(runner)
+    got = draft_eagle3_tree(drafter, cache, steps, topk, frontier_runner=runner)
+    assert torch.equal(got.tree.token_ids, ref.tree.token_ids)
+    assert torch.equal(got.tree.parents, ref.tree.parents)
+    torch.testing.assert_close(got.tree.scores, ref.tree.scores, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.node_hidden, ref.node_hidden, atol=ATOL, rtol=0)
+    assert got.num_forwards == ref.num_forwards == steps - 1
+    assert len(calls) == steps - 1 and all(1 <= c <= topk for c in calls)
+    assert torch.equal(cache.kv[..., :S, :], committed) and cache.num_tokens == S
+
+
+def test_static_frontier_runner_keeps_ddd_and_the_stop_hook(drafter):
+    """DDD's rule and `should_expand` stop drafting at the same step with the runner as without."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
+    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+
+    cache, _ = _prefilled(drafter, 8, seed=5)
+    runner = StaticDrafterFrontier(drafter, 3)
+    for kwargs in (dict(ddd_threshold=2.0), dict(ddd_threshold=0.0),
+                   dict(should_expand=lambda tree, f: int(tree.depth[0, f].max()) < 3)):
+        ref = draft_eagle3_tree(drafter, cache, 5, 3, **kwargs)
+        got = draft_eagle3_tree(drafter, cache, 5, 3, frontier_runner=runner, **kwargs)
+        assert got.num_forwards == ref.num_forwards
+        assert torch.equal(got.tree.token_ids, ref.tree.token_ids) and torch.equal(got.tree.parents, ref.tree.parents)
+    assert draft_eagle3_tree(drafter, cache, 5, 3, frontier_runner=runner,
+                             should_expand=lambda tree, f: int(tree.depth[0, f].max()) < 3).num_forwards == 2
+
+
+def test_static_frontier_runner_rejects_inputs_that_do_not_fit(drafter):
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier, make_frontier_runner
+
+    cache, _ = _prefilled(drafter, 6, seed=1)
+    H = drafter.config.hidden_size
+    runner = StaticDrafterFrontier(drafter, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        runner.run(cache.kv, torch.zeros(1, 3, H), torch.zeros(1, 3, dtype=torch.int64), 6, 6, torch.zeros(1, 1, 3, 9))
+    with pytest.raises(ValueError, match="does not match"):
+        runner.run(cache.kv, torch.zeros(1, 2, H), torch.zeros(1, 2, dtype=torch.int64), 6, 6, torch.zeros(1, 1, 2, 9))
+    cap = cache.kv.shape[3]
+    with pytest.raises(ValueError, match="padded frontier needs"):
+        runner.run(cache.kv, torch.zeros(1, 1, H), torch.zeros(1, 1, dtype=torch.int64), 6, cap - 1,
+                   torch.zeros(1, 1, 1, cap))
+    with pytest.raises(ValueError, match=">= 1"):
+        StaticDrafterFrontier(drafter, 0)
+    with pytest.raises(ValueError, match="runner kind"):
+        make_frontier_runner("eager", drafter, 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA device"):
+            make_frontier_runner("graphs", drafter, 2)

@@ -13,6 +13,8 @@ import torch
 
 from ..core.tree import DraftTree
 from ..core.verify import VerifyResult
+from ..models.cuda_graphs import GraphCaptureError, warn_fallback
+from ..models.eagle3_draft import draft_eagle3_tree
 from ..models.target import TargetOutput
 
 
@@ -47,14 +49,17 @@ class Eagle3Source:
     name = "eagle3"
 
     def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None, stop_rule=None,
-                 extend_runner=None):
+                 extend_runner=None, frontier_runner=None):
         self.drafter, self.steps, self.topk, self.ddd_threshold = drafter, steps, topk, ddd_threshold
         self.stop_rule = stop_rule
         # Optional `models.cuda_graphs.StaticDrafterExtend` / `DrafterGraphs`: the drafter forward over
         # each step's committed tokens as a static-shape forward (CUDA: a graph per length bucket).
-        # None: `Eagle3Drafter.commit` / `extend` (the CPU path). Tree-drafting forwards are not
-        # routed through it yet (they live in models/eagle3_draft.py).
+        # None: `Eagle3Drafter.commit` / `extend` (the CPU path).
         self.extend_runner = extend_runner
+        # Optional `models.cuda_graphs.StaticDrafterFrontier` / `DrafterFrontierGraphs`: the tree-drafting
+        # forwards (one per drafting step, the frontier padded to topk rows; CUDA: one graph).
+        # None: `Eagle3Drafter.draft_tree` as is (the CPU path).
+        self.frontier_runner = frontier_runner
 
     def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> "Eagle3State":
         cache = self.drafter.new_cache()
@@ -67,8 +72,22 @@ class Eagle3Source:
         if rule is not None and state.node_values is not None:
             rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
         expand = None if rule is None else _should_expand(rule)
-        out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
+        if self.frontier_runner is None:
+            out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
+        else:
+            out = self._draft_static(state.cache, expand)
         return Draft(out.tree, out.node_hidden)
+
+    def _draft_static(self, cache, expand):
+        """Draft through the frontier runner; if its graph cannot be captured, warn once, drop it and
+        draft eagerly (drafting never changes the committed cache, so starting over is exact)."""
+        try:
+            return draft_eagle3_tree(self.drafter, cache, self.steps, self.topk, self.ddd_threshold, expand,
+                                     frontier_runner=self.frontier_runner)
+        except GraphCaptureError as e:
+            warn_fallback(e.__cause__ or e, "drafter's tree-drafting forward")
+            self.frontier_runner = None
+            return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         self._catch_up(state)
@@ -92,7 +111,14 @@ class Eagle3Source:
         S, a = cache.num_tokens, drafter.midlayer.self_attn
         kv = cache.reserve(S + runner.bucket(n), a.num_kv_heads, a.head_dim, drafter.lm_head.weight.dtype,
                            drafter.lm_head.weight.device)
-        out = runner.run(kv, S, token_ids, target_hidden)
+        try:
+            out = runner.run(kv, S, token_ids, target_hidden)
+        except GraphCaptureError as e:
+            # the warm-ups wrote at most these positions' keys, which the eager extension rewrites
+            warn_fallback(e.__cause__ or e, "drafter's extension forward")
+            self.extend_runner = None
+            drafter.extend(cache, token_ids, target_hidden)
+            return
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
 

@@ -15,6 +15,13 @@ length is a device tensor filled from the host int the engine already holds, so 
 read back to the host before the replay; attention spans the whole preallocated cache under
 a mask, which is what keeps shapes static.
 
+The drafter has two static runners of its own (section below, same pattern): its per-step
+extension over the committed tokens (`StaticDrafterExtend` / `DrafterGraphs`, a graph per length
+bucket) and its tree-drafting steps (`StaticDrafterFrontier` / `DrafterFrontierGraphs`: the
+frontier padded to topk rows, ONE graph, replayed for every drafting step). Drafter graphs are
+bound to one request's drafter K/V buffer, so each new request recaptures them (lazily, on first
+use); the CPU engine uses neither runner unless a test sets one ("static": the same calls eagerly).
+
 Buckets: the cost profile is dense (C(k) for every k), so it names no verify lengths of its
 own; the buckets are a power-of-two ladder capped by the tree's largest verify
 (`verify_buckets`), the padding EVICT applies when it rounds a selection up to a captured length.
@@ -196,10 +203,39 @@ def make_runner(kind: str, lean: LeanForward, cache: StaticKVCache, slot: int,
     raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
 
 
-def warn_fallback(error: BaseException) -> None:
-    """The one warning printed when graph capture fails and the target falls back to eager."""
-    warnings.warn(f"CUDA graph capture of the verify forward failed ({type(error).__name__}: {error}); "
-                  "running the verify forward eagerly from now on", RuntimeWarning, stacklevel=3)
+def warn_fallback(error: BaseException, forward: str = "verify forward") -> None:
+    """The one warning printed when graph capture fails and that forward falls back to eager."""
+    warnings.warn(f"CUDA graph capture of the {forward} failed ({type(error).__name__}: {error}); "
+                  f"running the {forward} eagerly from now on", RuntimeWarning, stacklevel=3)
+
+
+def _capture_graph(call, pool) -> tuple[object, object]:
+    """(graph, its static outputs) of `call()`: two warm-up runs on a side stream (allocator, lazy
+    inits, tables), then the capture into `pool`. The warm-ups run the call for real: callers
+    capture only calls whose side effects the replay repeats identically (same inputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = call()
+    return graph, out
+
+
+def _drafter_graph_key(drafter, kv: torch.Tensor) -> tuple:
+    """What a drafter graph points at besides its own buffers: the K/V buffer, the signed rope table
+    and the fused weights (a new request's cache, a grown buffer or table, or reloaded weights move
+    them; the graph must then be recaptured). The objects themselves, compared by identity (`_same`):
+    holding them keeps their memory from being reused while the graph still points at it."""
+    table = drafter._rope_signed_table
+    return kv, None if table is None else table[1], drafter._fused
+
+
+def _same(a: tuple | None, b: tuple) -> bool:
+    return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,35 +323,29 @@ class DrafterGraphs(StaticDrafterExtend):
             raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
         super().__init__(drafter, buckets)
         self.pool = torch.cuda.graph_pool_handle()
-        self._kv: torch.Tensor | None = None
+        self._key: tuple | None = None  # what every captured bucket points at (`_drafter_graph_key`)
         self.captures = 0
 
     def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
-        if kv is not self._kv:
+        if self._key is not None and not _same(self._key, _drafter_graph_key(self.drafter, kv)):
             for b in self._buckets.values():
                 b.graph, b.output = None, None
-            self._kv = kv
+            self._key = None
         if buf.graph is None:
             try:
-                self._capture(buf, kv)
+                # Warm-up writes this extension's keys, which the replay writes again (same inputs).
+                buf.graph, buf.output = _capture_graph(lambda: self._call(buf, kv), self.pool)
             except Exception as e:
                 raise GraphCaptureError(str(e)) from e
+            key = _drafter_graph_key(self.drafter, kv)  # after the warm-ups: they may build the tables
+            if self._key is not None and not _same(self._key, key):  # the others point at the old ones
+                for b in self._buckets.values():
+                    if b is not buf:
+                        b.graph, b.output = None, None
+            self._key = key
+            self.captures += 1
         buf.graph.replay()
         return buf.output
-
-    def _capture(self, buf: _ExtendBucket, kv: torch.Tensor) -> None:
-        # Warm-up writes this extension's keys, which the replay below writes again (same inputs).
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._call(buf, kv)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._call(buf, kv)
-        buf.graph, buf.output = graph, out
-        self.captures += 1
 
 
 def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticDrafterExtend:
@@ -324,4 +354,135 @@ def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticD
         return DrafterGraphs(drafter, buckets)
     if kind == "static":
         return StaticDrafterExtend(drafter, buckets)
+    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree-drafting forwards: one drafter forward per drafting step over the frontier (F <= topk rows)
+
+
+@dataclass
+class _FrontierBuffers:
+    """The static inputs of a frontier forward padded to `width` rows over a buffer of `capacity`."""
+
+    hidden: torch.Tensor  # [1, width, H] drafter hidden of the forward that proposed each frontier node
+    input_ids: torch.Tensor  # [1, width] int64
+    positions: torch.Tensor  # [1, width] int64 (one drafting step: every row at the same position)
+    rows: torch.Tensor  # [width] int64 0..width-1 (constant)
+    write_idx: torch.Tensor  # [width] int64 cache index of each row's key
+    visible: torch.Tensor  # [1, width, capacity] bool
+    graph: object | None = None
+    output: object | None = None  # Eagle3Output of the graph
+
+
+class StaticDrafterFrontier:
+    """The tree-drafting forwards of `eagle3_draft.draft_eagle3_tree` through the static-shape drafter
+    forward: the frontier (F <= width rows; the drafting loop's frontier is at most topk wide) padded
+    to `width` rows, attending over the drafter's whole K/V buffer under a visibility mask built from
+    the loop's own tree mask. Padded rows see only their own key, written at the cache indices right
+    after the real rows' (scratch the next step overwrites and no real row sees). Shapes depend only
+    on `width` and the buffer's capacity, so `DrafterFrontierGraphs` captures ONE graph per buffer.
+    `_call` is what it captures; this class runs it eagerly (the CPU reference)."""
+
+    def __init__(self, drafter, width: int):
+        if width < 1:
+            raise ValueError(f"the frontier width must be >= 1, got {width}")
+        self.drafter, self.width = drafter, width
+        self._buf: _FrontierBuffers | None = None
+
+    @torch.no_grad()
+    def run(self, kv: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, position: int, start: int,
+            tree_mask: torch.Tensor):
+        """One drafting step over kv [2, 1, KVH, capacity, D]: frontier features hidden [1, F, H] and
+        tokens input_ids [1, F] at `position`, keys written at start.. (host ints the loop holds),
+        tree_mask the loop's additive [1, 1, F, start + F] mask (0 = visible). Returns the F real
+        rows' Eagle3Output as views that the next run overwrites (the loop consumes them at once)."""
+        F_ = input_ids.shape[1]
+        if F_ < 1 or F_ > self.width:
+            raise ValueError(f"a frontier of {F_} rows does not fit a forward of {self.width} rows")
+        if tree_mask.shape[-2:] != (F_, start + F_):
+            raise ValueError(f"tree mask {tuple(tree_mask.shape)} does not match {F_} rows written at {start}")
+        if kv.shape[3] < start + self.width:
+            raise ValueError(f"the drafter buffer holds {kv.shape[3]} positions, the padded frontier needs "
+                             f"{start + self.width}")
+        buf = self._buffers(kv, hidden)
+        self._fill(buf, hidden, input_ids, position, start, tree_mask)
+        out = self._execute(buf, kv)
+        from .eagle3 import Eagle3Output
+
+        return Eagle3Output(logits=out.logits[:, :F_], hidden=out.hidden[:, :F_], keys=out.keys[:, :, :F_],
+                            values=out.values[:, :, :F_])
+
+    def _buffers(self, kv: torch.Tensor, hidden: torch.Tensor) -> _FrontierBuffers:
+        buf, W = self._buf, self.width
+        if (buf is None or buf.visible.shape[-1] != kv.shape[3] or buf.hidden.shape[-1] != hidden.shape[-1]
+                or buf.hidden.dtype != hidden.dtype or buf.hidden.device != kv.device):
+            device = kv.device
+            rows = torch.arange(W, device=device)
+            buf = self._buf = _FrontierBuffers(
+                hidden=torch.zeros(1, W, hidden.shape[-1], dtype=hidden.dtype, device=device),
+                input_ids=torch.zeros(1, W, dtype=torch.int64, device=device),
+                positions=torch.zeros(1, W, dtype=torch.int64, device=device),
+                rows=rows, write_idx=rows.clone(),
+                visible=torch.zeros(1, W, kv.shape[3], dtype=torch.bool, device=device))
+        return buf
+
+    @staticmethod
+    def _fill(buf: _FrontierBuffers, hidden, input_ids, position: int, start: int, tree_mask) -> None:
+        """Copy one step's inputs into the static buffers, padded (device copies only, no reads)."""
+        F_, W = input_ids.shape[1], buf.input_ids.shape[1]
+        buf.hidden[:, :F_].copy_(hidden)
+        buf.hidden[:, F_:].zero_()
+        buf.input_ids[:, :F_].copy_(input_ids)
+        buf.input_ids[:, F_:].zero_()
+        buf.positions.fill_(position)
+        torch.add(buf.rows, start, out=buf.write_idx)
+        buf.visible.zero_()
+        buf.visible[0, :F_, :start + F_].copy_(tree_mask[0, 0] == 0)
+        buf.visible[0, F_:, start + F_:start + W].diagonal().fill_(True)  # padded rows: their own key only
+
+    def _call(self, buf: _FrontierBuffers, kv: torch.Tensor):
+        from .eagle3_static import static_drafter_forward
+
+        return static_drafter_forward(self.drafter, kv, buf.hidden, buf.input_ids, buf.positions, buf.write_idx,
+                                      buf.visible)
+
+    def _execute(self, buf: _FrontierBuffers, kv: torch.Tensor):
+        return self._call(buf, kv)
+
+
+class DrafterFrontierGraphs(StaticDrafterFrontier):
+    """`StaticDrafterFrontier` captured as ONE CUDA graph (the frontier's fixed width) on first use and
+    replayed for every drafting step after. Bound to one K/V buffer, rope table and set of fused
+    weights: a new request's drafter buffer (or a grown one) recaptures it lazily. NOT YET RUN ON A GPU."""
+
+    def __init__(self, drafter, width: int):
+        if not drafter.lm_head.weight.is_cuda:
+            raise ValueError("DrafterFrontierGraphs needs a drafter on a CUDA device (use StaticDrafterFrontier on CPU)")
+        super().__init__(drafter, width)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._key: tuple | None = None
+        self.captures = 0  # graphs captured so far (one per request buffer)
+        self.replays = 0  # drafting steps run from the graph
+
+    def _execute(self, buf: _FrontierBuffers, kv: torch.Tensor):
+        if buf.graph is None or not _same(self._key, _drafter_graph_key(self.drafter, kv)):
+            try:
+                # The warm-ups write this step's keys, which the replay writes again (same inputs).
+                buf.graph, buf.output = _capture_graph(lambda: self._call(buf, kv), self.pool)
+            except Exception as e:
+                raise GraphCaptureError(str(e)) from e
+            self._key = _drafter_graph_key(self.drafter, kv)  # after the warm-ups: they may build the tables
+            self.captures += 1
+        buf.graph.replay()
+        self.replays += 1
+        return buf.output
+
+
+def make_frontier_runner(kind: str, drafter, width: int) -> StaticDrafterFrontier:
+    """"graphs": one CUDA graph of the tree-drafting forward (CUDA only); "static": the same call eagerly."""
+    if kind == "graphs":
+        return DrafterFrontierGraphs(drafter, width)
+    if kind == "static":
+        return StaticDrafterFrontier(drafter, width)
     raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")

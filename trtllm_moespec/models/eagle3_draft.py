@@ -10,6 +10,11 @@ keeps every child in the tree and makes the top-`topk` by score the next frontie
 (`core.ddd_should_stop`) may end drafting early. Tree keys are kept outside the
 drafter cache, so drafting never changes the cache: it always holds exactly the
 committed tokens.
+
+With a `frontier_runner` each step's forward runs through the static-shape drafter forward
+(`models/cuda_graphs.py` `StaticDrafterFrontier`; on CUDA one captured graph, `DrafterFrontierGraphs`):
+the frontier padded to the runner's width, attending over the whole drafter buffer. Without one
+(the default, and the CPU engine's path) it is `Eagle3Drafter.forward` over exactly F rows.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..core.policies import ddd_should_stop
 from ..core.tree import DraftTree, TreeBuffer
 
 if TYPE_CHECKING:
+    from .cuda_graphs import StaticDrafterFrontier
     from .eagle3 import Eagle3Cache, Eagle3Drafter
 
 
@@ -47,12 +53,15 @@ def draft_eagle3_tree(
     topk: int,
     ddd_threshold: float | None = None,
     should_expand: ExpandRule | None = None,
+    frontier_runner: "StaticDrafterFrontier | None" = None,
 ) -> Eagle3Draft:
     """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`.
 
     Before each later step, drafting stops when DDD's rule fires (`ddd_threshold`) or when
     `should_expand(tree, frontier)` returns False: the per-step "expand further?" decision a
-    stop rule plugs in here.
+    stop rule plugs in here. `frontier_runner` (`models.cuda_graphs.StaticDrafterFrontier`, or its
+    CUDA graph `DrafterFrontierGraphs`) runs each step's forward with static shapes instead of
+    `Eagle3Drafter.forward`; the tree and everything around the forward stay the same.
     """
     if steps < 1 or topk < 1:
         raise ValueError(f"steps and topk must be >= 1, got steps={steps}, topk={topk}")
@@ -62,7 +71,9 @@ def draft_eagle3_tree(
     S = cache.num_tokens
     attn = drafter.midlayer.self_attn
     max_slots = (steps - 1) * topk  # tree keys: one per expanded node, written after the committed ones
-    kv = cache.reserve(S + max_slots, attn.num_kv_heads, attn.head_dim, cache.last_hidden.dtype, cache.last_hidden.device)
+    # a static runner pads the last frontier to its width: room for the padded rows' keys too
+    pad = 0 if frontier_runner is None else max(frontier_runner.width - topk, 0)
+    kv = cache.reserve(S + max_slots + pad, attn.num_kv_heads, attn.head_dim, cache.last_hidden.dtype, cache.last_hidden.device)
     device, capacity = kv.device, topk + max_slots * topk
 
     ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
@@ -84,14 +95,18 @@ def draft_eagle3_tree(
         if should_expand is not None and not should_expand(nodes.tree(), f):
             break
         n = nodes.num_nodes
-        out = drafter(
-            node_hidden.index_select(1, f),  # the hidden of the forward that proposed each frontier node
-            input_ids=nodes.token_ids.index_select(1, f),
-            position_ids=positions[step:step + 1, :F_],  # S - 1 + depth
-            attention_mask=masks.frontier(f, num_slots),
-            cache_kv=kv,
-            cache_start=S + num_slots,
-        )
+        if frontier_runner is None:
+            out = drafter(
+                node_hidden.index_select(1, f),  # the hidden of the forward that proposed each frontier node
+                input_ids=nodes.token_ids.index_select(1, f),
+                position_ids=positions[step:step + 1, :F_],  # S - 1 + depth
+                attention_mask=masks.frontier(f, num_slots),
+                cache_kv=kv,
+                cache_start=S + num_slots,
+            )
+        else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
+            out = frontier_runner.run(kv, node_hidden.index_select(1, f), nodes.token_ids.index_select(1, f),
+                                      S + step, S + num_slots, masks.frontier(f, num_slots))
         num_forwards += 1
         ids, probs = _top_children(drafter, out.logits, topk)  # [1, F, topk]
         frontier = nodes.grow(f[None], ids, probs, topk, dense=True)

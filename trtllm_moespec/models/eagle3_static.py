@@ -10,9 +10,10 @@ bucket. Padded rows write keys past the real ones, into slots that no real row s
 next forward overwrites, exactly as the padded rows of the target's verify buckets.
 
 NOT YET RUN ON A GPU. On CPU the same function runs eagerly and is tested against
-`Eagle3Drafter.forward` (tests/models/test_eagle3_static.py); the CUDA capture of it is
-`models/cuda_graphs.py` `DrafterGraphs`. The engine's drafting loop (`eagle3_draft.py`) does not
-call it yet: see that class for what wiring needs.
+`Eagle3Drafter.forward` (tests/models/test_eagle3_static.py); its CUDA captures are
+`models/cuda_graphs.py` `DrafterGraphs` (extensions, wired in `engine/drafters.py`) and
+`DrafterFrontierGraphs` (tree-drafting steps, wired through `eagle3_draft.draft_eagle3_tree`'s
+`frontier_runner`), both on with `LLM(cuda_graphs=...)`.
 """
 
 from __future__ import annotations
