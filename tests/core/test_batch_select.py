@@ -22,6 +22,32 @@ def _sets(ids_per_node: list[list[int]], num_experts: int = 16) -> torch.Tensor:
     return ExpertSets.from_topk_ids(ids, num_experts).bits[0]
 
 
+def _one_request_case(rng):
+    """A random one-request tree with predicted experts: (tree, experts, root bits [1, W], traj)."""
+    tree = random_tree(rng, 1, 12)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=5)
+    root = random_experts(rng, DraftTree.from_parents(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]),
+                                                      torch.ones(1, 1)), 2, 8, 2).bits[:, 0]
+    return tree, experts, root, path_bits(experts.bits, tree.parents, tree.depth)
+
+
+def _batch_case(rng):
+    """A random batch: (tree, traj, roots, total cap, per-request cap)."""
+    B = int(rng.integers(1, 5))
+    tree = random_tree(rng, B, 10)
+    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=6)
+    traj = path_bits(experts.bits, tree.parents, tree.depth)
+    roots = torch.zeros(B, traj.shape[2], dtype=torch.int64)
+    return tree, traj, roots, int(rng.integers(0, 20)), int(rng.integers(0, 6))
+
+
+def _assert_parent_closed(tree: DraftTree, b: int, nodes: list[int]) -> None:
+    """Every selected node is valid and comes after its parent (or hangs off the root)."""
+    for i, n in enumerate(nodes):
+        parent = int(tree.parents[b, n])
+        assert n >= 0 and bool(tree.valid[b, n]) and (parent == -1 or parent in nodes[:i])
+
+
 def test_shared_union_prefers_a_node_whose_experts_the_batch_already_wakes():
     # request 0: node a (score 0.9) wakes {1, 2}; request 1: b (0.5) wakes {1, 2}, c (0.6) wakes {7, 8}.
     scores = torch.tensor([[0.9, 0.0], [0.5, 0.6]])
@@ -56,14 +82,10 @@ def test_decodes_plainly_when_speculation_cannot_pay():
 @given(seeds)
 def test_one_request_equals_joint(seed):
     rng = np.random.default_rng(seed)
-    tree = random_tree(rng, 1, 12)
-    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=5)
-    root = random_experts(rng, DraftTree.from_parents(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]),
-                                                      torch.ones(1, 1)), 2, 8, 2).bits[:, 0]
+    tree, experts, root, traj = _one_request_case(rng)
     cost = ExpertCostModel(float(rng.uniform(0.5, 2)), float(rng.uniform(0, 0.1)), float(rng.uniform(0, 0.2)))
     budget = int(rng.integers(1, 12))
     want = make_policy("joint", cost_model=cost, budget=budget).select(tree, experts, root)
-    traj = path_bits(experts.bits, tree.parents, tree.depth)
     got = joint_batch_select(tree.scores, tree.parents, tree.valid, traj, root, cost, budget, budget)
     k = int(want.num_selected[0])
     assert got.num_selected.tolist() == [k]
@@ -76,22 +98,15 @@ def test_one_request_equals_joint(seed):
 @given(seeds)
 def test_batch_selection_is_parent_closed_ordered_and_within_caps(seed):
     rng = np.random.default_rng(seed)
-    B = int(rng.integers(1, 5))
-    tree = random_tree(rng, B, 10)
-    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=6)
-    traj = path_bits(experts.bits, tree.parents, tree.depth)
-    roots = torch.zeros(B, traj.shape[2], dtype=torch.int64)
+    tree, traj, roots, total, per_request = _batch_case(rng)
+    B = tree.parents.shape[0]
     cost = ExpertCostModel(1.0, float(rng.uniform(0, 0.05)), float(rng.uniform(0, 0.05)))
-    total, per_request = int(rng.integers(0, 20)), int(rng.integers(0, 6))
     sel = joint_batch_select(tree.scores, tree.parents, tree.valid, traj, roots, cost, total, per_request)
     assert int(sel.num_selected.sum()) <= total and int(sel.num_selected.max()) <= per_request
     picked_score = 0.0
     for b in range(B):
         nodes = sel.node_idx[b, : int(sel.num_selected[b])].tolist()
-        assert all(n >= 0 and bool(tree.valid[b, n]) for n in nodes)
-        for i, n in enumerate(nodes):
-            parent = int(tree.parents[b, n])
-            assert parent == -1 or parent in nodes[:i]
+        _assert_parent_closed(tree, b, nodes)
         picked_score += float(tree.scores[b, nodes].double().sum()) if nodes else 0.0
     assert sel.expected_tokens == pytest.approx(B + picked_score)
 
@@ -154,23 +169,17 @@ def test_evict_batch_takes_a_prefix_of_each_requests_order_within_the_cap(seed):
     for b in range(B):
         k = int(sel.num_selected[b])
         nodes = sel.node_idx[b, :k].tolist()
-        assert nodes == order[b, :k].tolist() and all(n >= 0 for n in nodes)  # a prefix: parent-closed
-        for i, n in enumerate(nodes):
-            parent = int(tree.parents[b, n])
-            assert parent == -1 or parent in nodes[:i]
+        assert nodes == order[b, :k].tolist()  # a prefix of the request's order
+        _assert_parent_closed(tree, b, nodes)
 
 
 @settings(max_examples=25, deadline=None)
 @given(seeds)
 def test_ecospec_batch_for_one_request_equals_ecospec(seed):
     rng = np.random.default_rng(seed)
-    tree = random_tree(rng, 1, 12)
-    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=5)
-    root = random_experts(rng, DraftTree.from_parents(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[-1]]),
-                                                      torch.ones(1, 1)), 2, 8, 2).bits[:, 0]
+    tree, experts, root, traj = _one_request_case(rng)
     budget = int(rng.integers(1, 8))
     want = make_policy("ecospec", budget=budget).select(tree, experts, root)
-    traj = path_bits(experts.bits, tree.parents, tree.depth)
     got = ecospec_batch_select(tree.scores, tree.parents, tree.valid, traj, root, 1e-3, budget, 12)
     k = int(want.num_selected[0])
     assert got.num_selected.tolist() == [k] and got.node_idx[0, :k].tolist() == want.node_idx[0, :k].tolist()
@@ -180,20 +189,12 @@ def test_ecospec_batch_for_one_request_equals_ecospec(seed):
 @given(seeds)
 def test_ecospec_batch_fills_its_budget_parent_closed(seed):
     rng = np.random.default_rng(seed)
-    B = int(rng.integers(1, 5))
-    tree = random_tree(rng, B, 10)
-    experts = random_experts(rng, tree, layers=2, experts=8, topk=2, num_popular=6)
-    traj = path_bits(experts.bits, tree.parents, tree.depth)
-    roots = torch.zeros(B, traj.shape[2], dtype=torch.int64)
-    total, per_request = int(rng.integers(0, 20)), int(rng.integers(0, 6))
+    tree, traj, roots, total, per_request = _batch_case(rng)
     sel = ecospec_batch_select(tree.scores, tree.parents, tree.valid, traj, roots, 1e-3, total, per_request)
     available = int(torch.clamp(tree.valid.sum(1), max=per_request).sum())
     assert int(sel.num_selected.sum()) == min(total, available) and int(sel.num_selected.max()) <= per_request
-    for b in range(B):
-        nodes = sel.node_idx[b, : int(sel.num_selected[b])].tolist()
-        for i, n in enumerate(nodes):
-            parent = int(tree.parents[b, n])
-            assert bool(tree.valid[b, n]) and (parent == -1 or parent in nodes[:i])
+    for b in range(tree.parents.shape[0]):
+        _assert_parent_closed(tree, b, sel.node_idx[b, : int(sel.num_selected[b])].tolist())
 
 
 def test_batch_variants_reject_bad_inputs():

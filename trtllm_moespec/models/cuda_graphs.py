@@ -50,6 +50,29 @@ def verify_buckets(max_draft_tokens: int, ladder: tuple[int, ...] = DEFAULT_LADD
     return tuple(sorted({b for b in ladder if b < top} | {top}))
 
 
+class _Bucketed:
+    """Forwards padded to the smallest of a fixed set of lengths (on CUDA, one graph per length)."""
+
+    buckets: tuple[int, ...]
+    _what = "forward"  # named in errors
+
+    def _set_buckets(self, buckets: tuple[int, ...]) -> None:
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"{self._what} buckets must be positive, got {buckets}")
+        self.buckets = tuple(sorted(set(buckets)))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int:
+        """The smallest bucket that holds `num_tokens` rows."""
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"a {self._what} of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+
 @dataclass
 class _Bucket:
     """The static input buffers of one bucket (and, on CUDA, its graph and static outputs)."""
@@ -64,27 +87,17 @@ class _Bucket:
     output: LeanOutput | None = None  # the graph's static outputs, valid after a replay
 
 
-class StaticVerify:
+class StaticVerify(_Bucketed):
     """Forwards of one request slot (batch 1) through the static-shape lean forward of the
     smallest bucket that holds them. `_call` is exactly what `VerifyGraphs` captures; this class
     runs it eagerly (CPU, and the reference its graph is checked against)."""
 
+    _what = "verify-length"
+
     def __init__(self, lean: LeanForward, cache: StaticKVCache, slot: int, buckets: tuple[int, ...]):
-        if not buckets or any(b < 1 for b in buckets):
-            raise ValueError(f"verify-length buckets must be positive, got {buckets}")
+        self._set_buckets(buckets)
         self.lean, self.cache, self.slot = lean, cache, slot
-        self.buckets = tuple(sorted(set(buckets)))
         self._buckets: dict[int, _Bucket] = {}
-
-    @property
-    def max_tokens(self) -> int:
-        return self.buckets[-1]
-
-    def bucket(self, num_tokens: int) -> int:
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        raise ValueError(f"a forward of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, prefix_len: int | torch.Tensor,
@@ -251,27 +264,17 @@ class _ExtendBucket:
     output: object | None = None  # Eagle3Output of the graph
 
 
-class StaticDrafterExtend:
+class StaticDrafterExtend(_Bucketed):
     """Drafter cache extensions by n <= max(buckets) positions through the static-shape drafter
     forward (`eagle3_static.py`) of the smallest bucket >= n, over the cache's whole K/V buffer.
     `_call` is what `DrafterGraphs` captures; this class runs it eagerly (the CPU reference)."""
 
+    _what = "extension"
+
     def __init__(self, drafter, buckets: tuple[int, ...]):
-        if not buckets or any(b < 1 for b in buckets):
-            raise ValueError(f"extension buckets must be positive, got {buckets}")
+        self._set_buckets(buckets)
         self.drafter = drafter
-        self.buckets = tuple(sorted(set(buckets)))
         self._buckets: dict[int, _ExtendBucket] = {}
-
-    @property
-    def max_tokens(self) -> int:
-        return self.buckets[-1]
-
-    def bucket(self, num_tokens: int) -> int:
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        raise ValueError(f"an extension of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
 
     @torch.no_grad()
     def run(self, kv: torch.Tensor, start: int, token_ids: torch.Tensor, hidden: torch.Tensor):
