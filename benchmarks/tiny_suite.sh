@@ -11,7 +11,7 @@ moespec profile --model moespec-tiny --repeats 40 --out "$SHIPPED" ${PROFILE_FLA
 cp "$SHIPPED" "$OUT/cost_profile.json"
 moespec bench --model moespec-tiny --datasets humaneval,mt_bench,gsm8k \
   --methods ar,eagle3,ddd,coverage,evict,ecospec,joint --guard-ablation evict,joint --temperature 0,1 \
-  --num-prompts 8 --max-tokens 64 --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
+  --num-prompts 8 --max-tokens 64 --repeats 3 --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 if [ -z "${SKIP_ABLATIONS:-}" ]; then
   moespec bench --model moespec-tiny --datasets humaneval --methods ar,eagle3,ecospec,joint,coverage --temperature 0 \
     --num-prompts 8 --max-tokens 64 --ecospec-global --gamma-sweep 3,4,5,6 --predictor-ablation --rho-sweep 0.5,0.8,0.95 \

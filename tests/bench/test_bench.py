@@ -174,3 +174,39 @@ def test_values_sweep_adds_one_column_per_cost_aware_method():
     assert list(specs) == ["ar", "eagle3", "evict", "joint", "evict[values=raw]", "joint[values=raw]"]
     assert specs["evict"].values == "calibrated" and specs["joint[values=raw]"].values == "raw"
     assert cli_main(["bench", "--values", "bogus", "--num-prompts", "1"]) == 2
+
+
+def test_repeats_keep_the_median_run_of_each_prompt_and_method(model, tmp_path, monkeypatch):
+    """--repeats N runs every (prompt, method) N times, interleaved, and reports the run of median
+    time; the kept steps belong to one run (not a mix)."""
+    from trtllm_moespec.bench import runner as bench_runner
+
+    kept = []
+    original = bench_runner.median_run
+    monkeypatch.setattr(bench_runner, "median_run", lambda gens: kept.append(len(gens)) or original(gens))
+    out = tmp_path / "r.json"
+    assert bench_main(model + ["--methods", "ar,eagle3", "--datasets", "humaneval", "--num-prompts", "1",
+                               "--max-tokens", "4", "--temperature", "0", "--repeats", "3", "--json", str(out)]) == 0
+    assert kept == [3, 3]  # one choice per method, among three runs
+    report = json.loads(out.read_text())
+    assert report["config"]["repeats"] == 3 and "--repeats 3" in report["command"]
+    eagle = [r for r in report["results"] if r["method"] == "eagle3"][0]
+    steps = [s for s in report["steps"] if s["method"] == "eagle3"][0]
+    assert len(steps["step_ms"]) == eagle["num_steps"]
+    assert bench_main(model + ["--repeats", "0"]) == 2
+
+
+def test_median_run_picks_the_middle_time():
+    from trtllm_moespec.bench.methods import Generation
+    from trtllm_moespec.bench.runner import median_run
+    from trtllm_moespec.engine.stats import GenerationStats, StepStats
+
+    def gen(ms: float) -> Generation:
+        steps = [StepStats(verified_tokens=0, accepted_tokens=0, committed_tokens=1, unique_experts_per_layer=4.0,
+                           draft_ms=0.0, predictor_ms=0.0, select_ms=0.0, verify_ms=ms, target_ms=ms, commit_ms=0.0,
+                           step_ms=ms)]
+        return Generation([1], GenerationStats.from_steps(steps, 1, prefill_ms=1.0), steps)
+
+    runs = [gen(5.0), gen(1.0), gen(3.0)]
+    assert median_run(runs) is runs[2]
+    assert median_run(runs[:2]) is runs[1]  # even count: the faster of the two middle runs

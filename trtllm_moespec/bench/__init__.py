@@ -53,6 +53,8 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=_csv(float), default=(0.0, 1.0), help="comma list, e.g. 0,1")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each prompt per method (interleaved); the run of median time is kept")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up per method and temperature")
     p.add_argument("--seed", type=int, default=0, help="per-prompt sampling seed base (T > 0)")
     p.add_argument("--json", default=None, help="write the JSON report here")
@@ -88,8 +90,8 @@ def _validate(args) -> None:
     for ds in args.datasets:
         if ds not in DATASETS:
             raise ValueError(f"unknown dataset {ds!r}; choose from {', '.join(DATASETS)}")
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.warmup_tokens < 1:
-        raise ValueError("--num-prompts, --max-tokens and --warmup-tokens must be positive")
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.warmup_tokens < 1 or args.repeats < 1:
+        raise ValueError("--num-prompts, --max-tokens, --warmup-tokens and --repeats must be positive")
     if not args.temperature or any(t < 0 for t in args.temperature):
         raise ValueError(f"temperatures must be >= 0, got {args.temperature}")
     if not args.datasets:
@@ -120,11 +122,11 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
     try:
         runners = _build_runners(specs, args, tree)
         warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens, tuple(args.temperature))
-        total = len(args.temperature) * sum(len(v) for v in prompts.values()) * len(runners)
+        total = len(args.temperature) * sum(len(v) for v in prompts.values()) * len(runners) * args.repeats
         from tqdm.auto import tqdm
 
         with tqdm(total=total, desc="bench (prompts x methods)", disable=args.no_progress) as bar:
-            run_bench(runners, prompts, list(args.temperature), args.max_tokens, args.seed, state, bar)
+            run_bench(runners, prompts, list(args.temperature), args.max_tokens, args.seed, state, bar, args.repeats)
     except (ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -172,7 +174,7 @@ def _config(args, tree, specs, runners) -> dict:
     tok = tokenization_note(runners[0].llm.tokenizer) if runners else None
     return {"model": args.model, "draft_model": args.draft_model, "tree": list(tree.as_tuple()), "device": args.device,
             "dtype": args.dtype, "datasets": list(args.datasets), "temperatures": list(args.temperature),
-            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
+            "num_prompts": args.num_prompts, "repeats": args.repeats, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
             "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
                          "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values,

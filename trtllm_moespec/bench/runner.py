@@ -44,6 +44,12 @@ STEP_FIELDS = ("verified_tokens", "committed_tokens", "unique_experts_per_layer"
                "select_ms", "predictor_ms", "speculated")
 
 
+def median_run(gens: list[Generation]) -> Generation:
+    """The run of median wall time (prefill + decode) among repeats of one prompt and method."""
+    order = sorted(gens, key=lambda g: g.stats.decode_s + g.stats.prefill_ms / 1e3)
+    return order[(len(order) - 1) // 2]
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -73,9 +79,14 @@ def warm_up(runners: list[MethodRunner], prompt_ids: list[int], max_tokens: int,
 
 
 def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], temperatures: list[float], max_tokens: int,
-              seed: int, state: BenchState, progress=None) -> BenchState:
+              seed: int, state: BenchState, progress=None, repeats: int = 1) -> BenchState:
     """Fill `state` prompt group by prompt group; raises LosslessMismatch, lets KeyboardInterrupt
-    through (state then holds the completed groups)."""
+    through (state then holds the completed groups). With `repeats` > 1 every method runs each
+    prompt that many times, the methods interleaved within each round, and the run of median
+    wall time is kept (same tokens every time: greedy, or the prompt's fixed seed), so a burst of
+    machine noise during one run does not decide a cell."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     from ..api import SamplingParams
 
     if runners[0].spec.label != "ar":
@@ -91,20 +102,21 @@ def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], tem
             for i, prompt in enumerate(ps):
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                         seed=None if temperature == 0 else seed + i)
-                reference, group = None, []
-                for r in runners:
-                    if progress is not None:
-                        progress.set_postfix_str(f"T={temperature:g} {ds}#{prompt.prompt_id} {r.spec.label}")
-                    gen = r.generate(encoded[ds][i], params)
-                    if temperature == 0:
-                        if reference is None:
-                            reference = gen.token_ids
-                        else:
-                            check_lossless(r.spec.label, prompt, gen.token_ids, reference)
-                    group.append(((ds, r.spec.label, float(temperature)), gen))
-                    if progress is not None:
-                        progress.update(1)
-                for key, gen in group:  # whole groups only: every method always covers the same prompts
-                    state.add(key, gen)
+                reference, runs = None, {r.spec.label: [] for r in runners}
+                for _ in range(repeats):
+                    for r in runners:
+                        if progress is not None:
+                            progress.set_postfix_str(f"T={temperature:g} {ds}#{prompt.prompt_id} {r.spec.label}")
+                        gen = r.generate(encoded[ds][i], params)
+                        if temperature == 0:
+                            if reference is None:
+                                reference = gen.token_ids
+                            else:
+                                check_lossless(r.spec.label, prompt, gen.token_ids, reference)
+                        runs[r.spec.label].append(gen)
+                        if progress is not None:
+                            progress.update(1)
+                for label, gens in runs.items():  # whole groups only: every method always covers the same prompts
+                    state.add((ds, label, float(temperature)), median_run(gens))
                 state.completed_prompts += 1
     return state
