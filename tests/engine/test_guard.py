@@ -228,3 +228,25 @@ def test_sampling_distribution_with_plain_and_speculative_steps(checkpoints):
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     # 99.9% quantile of chi-square with 8 degrees of freedom (at most 9 cells) is 26.1.
     assert stat < 26.1, (stat, counts, exact)
+
+
+def test_drafter_starts_only_when_the_request_first_speculates(checkpoints, reference):
+    """Under the guard a request that never speculates runs no drafter forward (not even the prompt's);
+    one that waits past MAX_PENDING_STEPS plain steps starts its drafter then, and stays exact."""
+    from trtllm_moespec.engine.drafters import MAX_PENDING_STEPS
+
+    target, draft = checkpoints["qwen3_moe"]
+    llm = LLM(str(target), draft_model=str(draft), policy="evict")
+    drafter = llm.engine.draft_source.drafter
+    calls = []
+    forward = type(drafter).forward
+    drafter.forward = lambda *a, **kw: calls.append(1) or forward(drafter, *a, **kw)
+    llm.engine.guard = ScriptedGuard([False])
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.token_ids == reference["qwen3_moe"] and calls == []
+    params = SamplingParams(max_tokens=MAX_PENDING_STEPS + 12, ignore_eos=True)
+    llm.engine.guard = ScriptedGuard([False] * (MAX_PENDING_STEPS + 4) + [True] * 50)
+    late = llm.generate([PROMPT], params)[0]
+    assert calls and any(s.speculated for s in late.steps)
+    llm.engine.guard = None
+    assert late.token_ids == llm.generate([PROMPT], params)[0].token_ids

@@ -27,7 +27,7 @@ scheduler). A request's slot is released when it finishes or is aborted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,18 +37,12 @@ from ..core.layout import TreeLayout, build_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, gather_nodes, limit_depth, score_order
 from ..core.values import RequestValues, accepted_nodes, with_values
-from ..core.verify import VerifyResult, verify_tree
+from ..core.verify import verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
-from .drafters import Draft
+from .drafters import Draft, LazyDraftStart
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
-
-
-# Plain steps a lazily started drafter may miss before it is started anyway: each holds the step's
-# root logits (a vocabulary row), so the wait is bounded; a long request pays the drafter's
-# prompt prefill once, as it would without the wait.
-_MAX_EARLY_STEPS = 32
 
 
 @dataclass
@@ -61,11 +55,7 @@ class _Active:
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
     # A lazily started drafter (a guarded batch policy): until the batch first speculates, the drafter has not
     # seen the prompt; (prompt, prefill output, root) and the plain steps since wait here.
-    drafter_started: bool = True
-    prompt: torch.Tensor | None = None
-    prefill: TargetOutput | None = None
-    root: int = 0
-    early_steps: list[tuple[VerifyResult, TargetOutput]] = field(default_factory=list)
+    pending: LazyDraftStart | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +163,7 @@ class BatchedEngine:
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
         if self._defer_drafter:
-            active.drafter_started, active.prompt, active.prefill, active.root = False, prompt, prefill, root
+            active.pending = LazyDraftStart(prompt, prefill, root)
         else:
             active.draft_state = engine.draft_source.start(prompt, prefill, root)
         if engine.values is not None and engine.policy.uses_values:
@@ -227,13 +217,8 @@ class BatchedEngine:
     def _start_drafter(self, active: _Active) -> None:
         """Start a lazily started drafter: prompt prefill, then the plain steps it missed (deferred:
         it catches up on them in one forward when it next drafts)."""
-        if active.drafter_started:
-            return
-        source = self.engine.draft_source
-        active.draft_state = source.start(active.prompt, active.prefill, active.root)
-        for result, out in active.early_steps:
-            source.defer(active.draft_state, result, out)
-        active.drafter_started, active.prompt, active.prefill, active.early_steps = True, None, None, []
+        if active.pending is not None:
+            active.draft_state, active.pending = active.pending.start(self.engine.draft_source), None
 
     def _draft(self, active: _Active) -> Draft:
         self._start_drafter(active)
@@ -308,10 +293,9 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if draft is None and not active.drafter_started:  # kept (root position only) for the drafter's start
-            active.early_steps.append((result, TargetOutput(out.logits.clone(), out.hidden.clone(),
-                                                            out.expert_ids.clone())))
-            if len(active.early_steps) >= _MAX_EARLY_STEPS:
+        if draft is None and active.pending is not None:  # kept for the drafter's start (copied: the batch's
+            # output rows are views of one forward's tensors)
+            if active.pending.add(result, TargetOutput(out.logits.clone(), out.hidden.clone(), out.expert_ids.clone())):
                 self._start_drafter(active)
         elif draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
             engine.draft_source.defer(active.draft_state, result, out)

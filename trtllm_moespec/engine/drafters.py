@@ -42,6 +42,37 @@ class NoDraft:
         return None
 
 
+# Plain steps a lazily started drafter may miss before it is started anyway: each holds the step's
+# outputs, so the wait is bounded; a long request pays the drafter's prompt prefill once, as it
+# would without the wait.
+MAX_PENDING_STEPS = 32
+
+
+class LazyDraftStart:
+    """A request's drafter started only when the request first speculates (the goodput guard may
+    never let it): until then the prompt's prefill and the plain steps since are kept and replayed
+    at the start (the prefill's drafter forward, then the plain steps deferred: the drafter catches
+    up on them in one forward when it drafts). A request that never speculates runs no drafter
+    forward at all."""
+
+    def __init__(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int):
+        self.prompt_ids, self.prefill, self.root = prompt_ids, prefill, root
+        self.plain_steps: list[tuple[VerifyResult, TargetOutput]] = []
+
+    def add(self, result: VerifyResult, verify: TargetOutput) -> bool:
+        """Keep a plain step; True when the wait is full and the drafter should start now."""
+        self.plain_steps.append((result, verify))
+        return len(self.plain_steps) >= MAX_PENDING_STEPS
+
+    def start(self, source) -> Any:
+        """The source's per-request state, as if it had started at the prefill and deferred every kept step."""
+        state = source.start(self.prompt_ids, self.prefill, self.root)
+        for result, verify in self.plain_steps:
+            source.defer(state, result, verify)
+        self.plain_steps = []
+        return state
+
+
 class Eagle3Source:
     """EAGLE-3 drafting with (steps, topk), the optional DDD stop rule and an optional
     cost-aware stop rule (`core.drafting.DraftStopRule`)."""

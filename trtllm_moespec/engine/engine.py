@@ -25,7 +25,7 @@ from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
-from .drafters import Draft, Eagle3State, NoDraft
+from .drafters import Draft, Eagle3State, LazyDraftStart, NoDraft
 from .guard import Guard, GuardState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
@@ -75,7 +75,8 @@ class SpecEngine:
         t0 = time.perf_counter()
         prefill = self.target.prefill(cache, prompt)
         root = self._first_token(prefill, request)
-        state = self.draft_source.start(prompt, prefill, root)
+        # Under the goodput guard the drafter starts at the request's first speculative step (if any).
+        drafter = _RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root]):
             yield request.output_ids[-1:]
@@ -83,11 +84,11 @@ class SpecEngine:
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
         guard = self.guard.start(request.sampling.temperature == 0) if self.guard is not None else None
-        if values is not None and isinstance(state, Eagle3State) and self.values.name != "head":
-            state.node_values = lambda tree: values.values(tree)  # the drafting stop rule ranks on the same values
+        if values is not None and self.values.name != "head":  # the drafting stop rule ranks on the same values
+            drafter.node_values = lambda tree: values.values(tree)
         while True:
             before = len(request.output_ids)
-            done = self._step(request, cache, state, values, guard)
+            done = self._step(request, cache, drafter, values, guard)
             yield request.output_ids[before:]
             if done:
                 return
@@ -100,17 +101,16 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, state, values: RequestValues | None = None,
+    def _step(self, request: Request, cache, drafter: "_RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
         root = context[-1]
         device = self.target.device
         speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
-        source = self.draft_source if speculate else NoDraft()
 
         t0 = time.perf_counter()
-        draft = source.draft(state, context, device)
+        draft = drafter.draft(context, device) if speculate else _NO_DRAFT.draft(None, context, device)
         remaining = request.max_tokens - len(request.output_ids)
         # Deeper nodes could never be emitted. A node's depth is at most the node count, so a tree of
         # no more nodes than the remaining budget needs no trimming (and no host read of its depths).
@@ -150,9 +150,9 @@ class SpecEngine:
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
         if speculate:
-            self.draft_source.commit(state, result, out)  # a drafter forward over the committed tokens
+            drafter.commit(result, out)  # a drafter forward over the committed tokens
         else:
-            self.draft_source.defer(state, result, out)  # caught up in one forward when drafting resumes
+            drafter.defer(result, out)  # caught up in one forward when drafting resumes
         t_draft += time.perf_counter() - t0
 
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
@@ -221,6 +221,38 @@ class SpecEngine:
         return request.finish_reason is not None
 
 
+
+
+_NO_DRAFT = NoDraft()
+
+
+class _RequestDrafter:
+    """One request's draft source and state, started at once or (`lazy`) at the first speculative step."""
+
+    def __init__(self, source, pending: LazyDraftStart, lazy: bool):
+        self.source, self.pending, self.node_values = source, pending, None
+        self.state = None
+        if not lazy:
+            self._start()
+
+    def _start(self) -> None:
+        if self.pending is not None:
+            self.state, self.pending = self.pending.start(self.source), None
+            if self.node_values is not None and isinstance(self.state, Eagle3State):
+                self.state.node_values = self.node_values
+
+    def draft(self, context: list[int], device: torch.device) -> Draft:
+        self._start()
+        return self.source.draft(self.state, context, device)
+
+    def commit(self, result: VerifyResult, verify: TargetOutput) -> None:
+        self.source.commit(self.state, result, verify)
+
+    def defer(self, result: VerifyResult, verify: TargetOutput) -> None:
+        if self.pending is None:
+            self.source.defer(self.state, result, verify)
+        elif self.pending.add(result, verify):
+            self._start()
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
