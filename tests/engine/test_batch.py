@@ -126,6 +126,9 @@ def test_plain_batch_steps_run_no_drafter_forward(checkpoints, references_qwen, 
 def test_a_drafter_started_late_catches_up_exactly(checkpoints, references_qwen, monkeypatch, schedule):
     """Plain steps first, the drafter started at the batch's first speculative step (prompt prefill,
     then the missed plain steps in one catch-up), including a request past the early-step cap."""
+    from trtllm_moespec.engine import drafters
+
+    monkeypatch.setattr(drafters, "MAX_PENDING_STEPS", 32)  # the cap, made short for the test
     llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
     calls = _count_drafter_forwards(llm, monkeypatch)
     requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]

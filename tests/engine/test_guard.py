@@ -230,10 +230,10 @@ def test_sampling_distribution_with_plain_and_speculative_steps(checkpoints):
     assert stat < 26.1, (stat, counts, exact)
 
 
-def test_drafter_starts_only_when_the_request_first_speculates(checkpoints, reference):
+def test_drafter_starts_only_when_the_request_first_speculates(checkpoints, reference, monkeypatch):
     """Under the guard a request that never speculates runs no drafter forward (not even the prompt's);
     one that waits past MAX_PENDING_STEPS plain steps starts its drafter then, and stays exact."""
-    from trtllm_moespec.engine.drafters import MAX_PENDING_STEPS
+    from trtllm_moespec.engine import drafters
 
     target, draft = checkpoints["qwen3_moe"]
     llm = LLM(str(target), draft_model=str(draft), policy="evict")
@@ -244,8 +244,9 @@ def test_drafter_starts_only_when_the_request_first_speculates(checkpoints, refe
     llm.engine.guard = ScriptedGuard([False])
     out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert out.token_ids == reference["qwen3_moe"] and calls == []
-    params = SamplingParams(max_tokens=MAX_PENDING_STEPS + 12, ignore_eos=True)
-    llm.engine.guard = ScriptedGuard([False] * (MAX_PENDING_STEPS + 4) + [True] * 50)
+    monkeypatch.setattr(drafters, "MAX_PENDING_STEPS", 8)  # the cap, made short for the test
+    params = SamplingParams(max_tokens=8 + 12, ignore_eos=True)
+    llm.engine.guard = ScriptedGuard([False] * (8 + 4) + [True] * 50)
     late = llm.generate([PROMPT], params)[0]
     assert calls and any(s.speculated for s in late.steps)
     llm.engine.guard = None

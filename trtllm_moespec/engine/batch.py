@@ -293,9 +293,8 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if draft is None and active.pending is not None:  # kept for the drafter's start (copied: the batch's
-            # output rows are views of one forward's tensors)
-            if active.pending.add(result, TargetOutput(out.logits.clone(), out.hidden.clone(), out.expert_ids.clone())):
+        if draft is None and active.pending is not None:  # kept for the drafter's start
+            if active.pending.add(result, out):
                 self._start_drafter(active)
         elif draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
             engine.draft_source.defer(active.draft_state, result, out)

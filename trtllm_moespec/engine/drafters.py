@@ -42,10 +42,11 @@ class NoDraft:
         return None
 
 
-# Plain steps a lazily started drafter may miss before it is started anyway: each holds the step's
-# outputs, so the wait is bounded; a long request pays the drafter's prompt prefill once, as it
-# would without the wait.
-MAX_PENDING_STEPS = 32
+# Plain steps a lazily started drafter may miss before it is started anyway. Each kept step holds its
+# root position's outputs (a vocabulary row of logits and a hidden row: ~20 KB on moespec-tiny), so
+# the wait is bounded; a request this long pays the drafter's prompt prefill once, as it would
+# without the wait, amortised over hundreds of tokens.
+MAX_PENDING_STEPS = 256
 
 
 class LazyDraftStart:
@@ -61,7 +62,10 @@ class LazyDraftStart:
 
     def add(self, result: VerifyResult, verify: TargetOutput) -> bool:
         """Keep a plain step; True when the wait is full and the drafter should start now."""
-        self.plain_steps.append((result, verify))
+        # The root position only (all a plain step verifies), copied: a batched forward's rows are views
+        # of one tensor, and a CUDA graph's outputs are overwritten by its next replay.
+        root = TargetOutput(verify.logits[:, :1].clone(), verify.hidden[:, :1].clone(), verify.expert_ids[:, :1].clone())
+        self.plain_steps.append((result, root))
         return len(self.plain_steps) >= MAX_PENDING_STEPS
 
     def start(self, source) -> Any:
