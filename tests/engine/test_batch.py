@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from tests.engine.distribution import chi_square, exact_first_tokens
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.core.cost import ExpertCostModel
 from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
@@ -234,32 +235,11 @@ TOP_K = 3
 SAMPLE_PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-@torch.no_grad()
-def _exact_three(target_dir) -> dict[tuple[int, int], float]:
-    """The exact joint distribution of the first three sampled tokens (top-k 3, temperature 1)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
-
-    def probs(ids):
-        logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        kth = logits.topk(TOP_K).values[-1]
-        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
-
-    exact = {}
-    p1 = probs(SAMPLE_PROMPT)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = probs(SAMPLE_PROMPT + [a])
-        for b in p2.nonzero().flatten().tolist():
-            p3 = probs(SAMPLE_PROMPT + [a, b])
-            for c in p3.nonzero().flatten().tolist():
-                exact[a, b, c] = float(p1[a] * p2[b] * p3[c])
-    return exact
-
-
 @pytest.mark.slow
 def test_joint_batch_sampling_keeps_the_target_distribution(checkpoints):
     """Mixed batches: a greedy request (must equal the greedy output) beside 3 sampled ones."""
     target, _ = checkpoints["qwen3_moe"]
-    exact = _exact_three(target)
+    exact = exact_first_tokens(target, SAMPLE_PROMPT, TOP_K, 3)
     llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle", tree=TreeConfig(2, 3, 6), override_profile=True)
     greedy_ref = llm.generate([SAMPLE_PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
     # Costs that make every node worth verifying, and no guard: the test is about acceptance, so the
@@ -280,14 +260,6 @@ def test_joint_batch_sampling_keeps_the_target_distribution(checkpoints):
             counts[key] = counts.get(key, 0) + 1
             speculated += sum(s.verified_tokens for s in r.steps)
     assert speculated > 0
-    cells = sorted(exact)
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    expected = np.array([exact[c] for c in cells]) * trials
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
+    stat, dof = chi_square(counts, exact, trials)
     # 99.9% quantile of chi-square: about dof + 3.1 sqrt(2 dof) + 5 for the dof here (<= 27 cells).
     assert stat < dof + 3.1 * np.sqrt(2 * dof) + 5, (stat, dof, counts)

@@ -3,11 +3,11 @@ decisions on synthetic timings, and losslessness when steps switch between plain
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
+from tests.engine.distribution import chi_square, exact_first_tokens
 from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.core import CostTable, ExpertCostModel
 from trtllm_moespec.engine.guard import Guard, GuardConfig
@@ -184,30 +184,10 @@ def test_stop_rule_cuts_drafting_and_stays_exact(checkpoints, reference):
 TOP_K = 2
 
 
-@torch.no_grad()
-def _exact_three(target_dir) -> dict[tuple[int, ...], float]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
-
-    def probs(ids):
-        logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        kth = logits.topk(TOP_K).values[-1]
-        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
-
-    out = {}
-    p1 = probs(PROMPT)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = probs(PROMPT + [a])
-        for b in p2.nonzero().flatten().tolist():
-            p3 = probs(PROMPT + [a, b])
-            for c in p3.nonzero().flatten().tolist():
-                out[a, b, c] = float(p1[a] * p2[b] * p3[c])
-    return out
-
-
 def test_sampling_distribution_with_plain_and_speculative_steps(checkpoints):
     """Invariant 2 with the switch: step 1 plain (drafter deferred), step 2 speculative (catch-up, then a tree)."""
     target, draft = checkpoints["qwen3_moe"]
-    exact = _exact_three(target)
+    exact = exact_first_tokens(target, PROMPT, TOP_K, 3)
     llm = LLM(str(target), draft_model=str(draft), policy="evict", guard="off")
     llm.engine.guard = ScriptedGuard([False, True])
     trials = 480
@@ -218,14 +198,7 @@ def test_sampling_distribution_with_plain_and_speculative_steps(checkpoints):
         key = tuple(out.token_ids)
         assert key in exact, f"emitted {key}, which has zero probability under the target"
         counts[key] = counts.get(key, 0) + 1
-    cells = sorted(exact)
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    expected = np.array([exact[c] for c in cells]) * trials
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    stat, _ = chi_square(counts, exact, trials)
     # 99.9% quantile of chi-square with 8 degrees of freedom (at most 9 cells) is 26.1.
     assert stat < 26.1, (stat, counts, exact)
 

@@ -3,36 +3,20 @@ follow the target's exact distribution (seeded chi-square, deterministic)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
-import transformers
 
+from tests.engine.distribution import chi_square, exact_first_tokens
 from trtllm_moespec import LLM, SamplingParams
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 TOP_K = 3
 
 
-@torch.no_grad()
-def _exact_joint(target_dir) -> dict[tuple[int, int], float]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
-
-    def probs(ids):
-        logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        kth = logits.topk(TOP_K).values[-1]
-        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
-
-    p1 = probs(PROMPT)
-    return {(int(a), int(b)): float(p1[a] * p2[b])
-            for a in p1.nonzero().flatten() for p2 in [probs(PROMPT + [int(a)])] for b in p2.nonzero().flatten()}
-
-
 @pytest.mark.parametrize("policy,values", [("eagle3", "raw"), ("evict", "calibrated"), ("coverage", "head")])
 def test_first_tokens_match_target_distribution(checkpoints, policy, values):
     """eagle3 (fixed tree) and cost-aware policies ranking on calibrated / learned-head values (online-updated)."""
     target, draft = checkpoints["qwen3_moe"]
-    exact = _exact_joint(target)
+    exact = exact_first_tokens(target, PROMPT, TOP_K, 2)
     llm = LLM(str(target), draft_model=str(draft), policy=policy, values=values)
     trials = 400
     counts: dict[tuple[int, int], int] = {}
@@ -42,15 +26,7 @@ def test_first_tokens_match_target_distribution(checkpoints, policy, values):
         key = tuple(out.token_ids)
         assert key in exact, f"emitted {key}, which has zero probability under the target"
         counts[key] = counts.get(key, 0) + 1
-    cells = sorted(exact)
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    expected = np.array([exact[c] for c in cells]) * trials
-    # Merge cells with small expectations into one, as chi-square needs.
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    stat, _ = chi_square(counts, exact, trials)
     # 99.9% quantile of chi-square with 8 degrees of freedom (at most 9 cells) is 26.1.
     assert stat < 26.1, (stat, counts, exact)
 

@@ -1,0 +1,46 @@
+"""Invariant 2 helpers: the target's exact distribution of the first sampled tokens (top-k,
+temperature 1, by enumeration) and Pearson's chi-square of observed draws against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+
+@torch.no_grad()
+def exact_first_tokens(target_dir, prompt: list[int], top_k: int, length: int) -> dict[tuple[int, ...], float]:
+    """P(first `length` sampled tokens) under the transformers target, for every sequence of nonzero
+    probability (top-k filtering at temperature 1)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        kth = logits.topk(top_k).values[-1]
+        return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
+
+    out: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: list[int], p: torch.Tensor) -> None:
+        if len(prefix) == length:
+            out[tuple(prefix)] = float(p)
+            return
+        q = probs(prompt + prefix)
+        for t in q.nonzero().flatten().tolist():
+            expand(prefix + [t], p * q[t])
+
+    expand([], torch.tensor(1.0, dtype=torch.float64))
+    return out
+
+
+def chi_square(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float], trials: int) -> tuple[float, int]:
+    """(statistic, degrees of freedom) over the cells of `exact`; cells expecting < 5 draws are merged
+    into one, as the test needs."""
+    cells = sorted(exact)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    expected = np.array([exact[c] for c in cells]) * trials
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
