@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -40,7 +39,7 @@ from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
-from .drafters import Draft, LazyDraftStart
+from .drafters import Draft, LazyDraftStart, RequestDrafter
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
 
@@ -51,11 +50,10 @@ class _Active:
 
     request: Request
     cache: TargetCache | None = None  # None until its prefill ran
-    draft_state: Any = None
+    # The request's drafter; lazily started under a guarded batch policy (until the batch first speculates
+    # it has not seen the prompt: the prompt's prefill and the plain steps since wait in it).
+    drafter: RequestDrafter | None = None
     values: RequestValues | None = None  # node values of the cost-aware policies (None: raw path scores)
-    # A lazily started drafter (a guarded batch policy): until the batch first speculates, the drafter has not
-    # seen the prompt; (prompt, prefill output, root) and the plain steps since wait here.
-    pending: LazyDraftStart | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,7 @@ class BatchedEngine:
         # catches up in one forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's
         # guard does). The drafter's prompt prefill (about a target prefill's cost) waits too, until the
         # request's batch first speculates: requests that never speculate never pay for a drafter forward.
-        self._defer_drafter = self.guard is not None and hasattr(engine.draft_source, "defer")
+        self._defer_drafter = self.guard is not None
 
     # ------------------------------------------------------------------ admission
     @property
@@ -162,10 +160,8 @@ class BatchedEngine:
         active.cache = self.target.new_cache()
         prefill = self.target.prefill(active.cache, prompt)
         root = engine._first_token(prefill, request)
-        if self._defer_drafter:
-            active.pending = LazyDraftStart(prompt, prefill, root)
-        else:
-            active.draft_state = engine.draft_source.start(prompt, prefill, root)
+        active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
+                                        lazy=self._defer_drafter)
         if engine.values is not None and engine.policy.uses_values:
             active.values = engine.values.for_request(request.sampling)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -214,17 +210,10 @@ class BatchedEngine:
         return [BatchStepOutput(r.request, r.new_ids, r.finished, s) for r, s in zip(results, stats)], batch_experts
 
     # ------------------------------------------------------------------ stages
-    def _start_drafter(self, active: _Active) -> None:
-        """Start a lazily started drafter: prompt prefill, then the plain steps it missed (deferred:
-        it catches up on them in one forward when it next drafts)."""
-        if active.pending is not None:
-            active.draft_state, active.pending = active.pending.start(self.engine.draft_source), None
-
     def _draft(self, active: _Active) -> Draft:
-        self._start_drafter(active)
         request = active.request
         context = request.prompt_ids + request.output_ids
-        draft = self.engine.draft_source.draft(active.draft_state, context, self.target.device)
+        draft = active.drafter.draft(context, self.target.device)  # starts a lazily started drafter first
         remaining = request.max_tokens - len(request.output_ids)
         return Draft(limit_depth(draft.tree, remaining - 1), draft.node_hidden)  # deeper nodes could never be emitted
 
@@ -293,13 +282,10 @@ class BatchedEngine:
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if draft is None and active.pending is not None:  # kept for the drafter's start
-            if active.pending.add(result, out):
-                self._start_drafter(active)
-        elif draft is None and self._defer_drafter:  # a plain step: (bonus token, hidden of the root) waits
-            engine.draft_source.defer(active.draft_state, result, out)
+        if draft is None:  # a plain step: (bonus token, hidden of the root) waits for the drafter's next draft
+            active.drafter.defer(result, out)
         else:
-            engine.draft_source.commit(active.draft_state, result, out)
+            active.drafter.commit(result, out)
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         before = len(request.output_ids)

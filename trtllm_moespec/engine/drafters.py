@@ -213,3 +213,33 @@ class NgramSource:
 
     def defer(self, state, result: VerifyResult, verify: TargetOutput) -> None:
         return None  # prompt lookup reads the context: nothing to catch up
+
+
+class RequestDrafter:
+    """One request's draft source and state, started at once or (`lazy`, under a goodput guard) at the
+    request's first speculative step; plain steps are deferred to the drafter (or kept until it starts)."""
+
+    def __init__(self, source, pending: LazyDraftStart, lazy: bool):
+        self.source, self.pending, self.node_values = source, pending, None
+        self.state = None
+        if not lazy:
+            self._start()
+
+    def _start(self) -> None:
+        if self.pending is not None:
+            self.state, self.pending = self.pending.start(self.source), None
+            if self.node_values is not None and isinstance(self.state, Eagle3State):
+                self.state.node_values = self.node_values
+
+    def draft(self, context: list[int], device: torch.device) -> Draft:
+        self._start()
+        return self.source.draft(self.state, context, device)
+
+    def commit(self, result: VerifyResult, verify: TargetOutput) -> None:
+        self.source.commit(self.state, result, verify)
+
+    def defer(self, result: VerifyResult, verify: TargetOutput) -> None:
+        if self.pending is None:
+            self.source.defer(self.state, result, verify)
+        elif self.pending.add(result, verify):
+            self._start()

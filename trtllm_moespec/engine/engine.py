@@ -25,7 +25,7 @@ from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
-from .drafters import Draft, Eagle3State, LazyDraftStart, NoDraft
+from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
 from .guard import Guard, GuardState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
@@ -76,7 +76,7 @@ class SpecEngine:
         prefill = self.target.prefill(cache, prompt)
         root = self._first_token(prefill, request)
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
-        drafter = _RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
+        drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root]):
             yield request.output_ids[-1:]
@@ -101,7 +101,7 @@ class SpecEngine:
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
-    def _step(self, request: Request, cache, drafter: "_RequestDrafter", values: RequestValues | None = None,
+    def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         context = request.prompt_ids + request.output_ids
@@ -224,35 +224,6 @@ class SpecEngine:
 
 
 _NO_DRAFT = NoDraft()
-
-
-class _RequestDrafter:
-    """One request's draft source and state, started at once or (`lazy`) at the first speculative step."""
-
-    def __init__(self, source, pending: LazyDraftStart, lazy: bool):
-        self.source, self.pending, self.node_values = source, pending, None
-        self.state = None
-        if not lazy:
-            self._start()
-
-    def _start(self) -> None:
-        if self.pending is not None:
-            self.state, self.pending = self.pending.start(self.source), None
-            if self.node_values is not None and isinstance(self.state, Eagle3State):
-                self.state.node_values = self.node_values
-
-    def draft(self, context: list[int], device: torch.device) -> Draft:
-        self._start()
-        return self.source.draft(self.state, context, device)
-
-    def commit(self, result: VerifyResult, verify: TargetOutput) -> None:
-        self.source.commit(self.state, result, verify)
-
-    def defer(self, result: VerifyResult, verify: TargetOutput) -> None:
-        if self.pending is None:
-            self.source.defer(self.state, result, verify)
-        elif self.pending.add(result, verify):
-            self._start()
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
