@@ -75,15 +75,20 @@ def test_non_closed_or_misordered_selection_is_rejected():
 @settings(max_examples=60, deadline=None)
 @given(seeds)
 def test_host_layout_equals_the_tensor_path(seed):
-    """CPU layouts are built on host lists; every field must equal the tensor path's (dtype too)."""
+    """CPU layouts are built on host lists; every field must equal the tensor path's (dtype too), both
+    as it checks and reads the depth itself and with the caller's max depth (what the engine's CUDA
+    step passes, so no flag or depth is read back between selection and verify)."""
     from trtllm_moespec.core.layout import _build_layout_host, _build_layout_tensors
+    from trtllm_moespec.core.tree import gather_nodes
 
     rng = np.random.default_rng(seed)
     B = int(rng.integers(1, 4))
     tree = random_tree(rng, B, int(rng.integers(0, 16)))
     selection = top_k_nodes(tree, int(rng.integers(0, 12)))
     roots = torch.arange(B) + 3
-    host, tensors = _build_layout_host(tree, selection, roots), _build_layout_tensors(tree, selection, roots)
-    for name in ("node_idx", "token_ids", "depth", "parent_pos", "valid", "paths", "num_nodes"):
-        a, b = getattr(host, name), getattr(tensors, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    depth = int(gather_nodes(tree.depth, selection, 0).max()) if selection.numel() else 0
+    host = _build_layout_host(tree, selection, roots)
+    for tensors in (_build_layout_tensors(tree, selection, roots), _build_layout_tensors(tree, selection, roots, depth)):
+        for name in ("node_idx", "token_ids", "depth", "parent_pos", "valid", "paths", "num_nodes"):
+            a, b = getattr(host, name), getattr(tensors, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
