@@ -22,7 +22,7 @@ def run_cases(cases: list[dict], ctx) -> list[dict]:
     for case in cases:
         llm = LLM(case["model"], draft_model=case.get("draft_model"), policy=case["policy"],
                   predictor=case.get("predictor"), ep=ctx, ep_pricing=case.get("ep_pricing", True),
-                  model_impl=case.get("model_impl", "lean"))
+                  model_impl=case.get("model_impl", "lean"), guard=case.get("guard", "auto"))
         params = SamplingParams(max_tokens=case["max_tokens"], temperature=case.get("temperature", 0.0),
                                 seed=case.get("seed"), ignore_eos=True)
         outs = llm.generate(case["prompts"], params)
