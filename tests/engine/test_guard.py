@@ -20,7 +20,8 @@ def _feed(state, speculated, tokens, seconds):
 
 
 def test_guard_falls_back_while_speculation_loses_and_probes():
-    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8))
+    # probe_overhead=1: a probe may cost as much as the plain steps between probes (only the doubling counts)
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=1.0))
     s = guard.start()
     assert s.speculate()  # nothing measured: try speculation
     _feed(s, True, 2, 0.040)  # 50 tok/s
@@ -42,8 +43,8 @@ def test_guard_falls_back_while_speculation_loses_and_probes():
 
 
 def test_guard_reenables_when_text_becomes_predictable():
-    s = Guard(GuardConfig(probe_every=2)).start()
-    _feed(s, True, 1, 0.040)
+    s = Guard(GuardConfig(probe_every=2, probe_overhead=1.0)).start()
+    _feed(s, True, 2, 0.030)  # 67 tok/s: a probe costs one plain step more than its tokens
     _feed(s, False, 1, 0.010)
     assert not s.speculate()
     _feed(s, False, 1, 0.010)
@@ -51,6 +52,30 @@ def test_guard_reenables_when_text_becomes_predictable():
     _feed(s, True, 9, 0.040)  # the text became predictable: 225 tok/s
     assert s.speculate() and not s.probing  # speculation pays again: no longer a probe
     assert s.probe_every == 2
+
+
+def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_over_requests():
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8))  # default probe_overhead 2%
+    s = guard.start()
+    _feed(s, True, 3, 0.050)  # a speculative step costs 5 plain steps and commits 3 tokens: 2 steps lost
+    _feed(s, False, 1, 0.010)
+    assert s.probe_interval() == 100  # 2 plain steps of loss are 2% of 100 plain steps
+    decisions = []
+    for i in range(150):
+        if i == 60:  # a new request continues the engine's countdown instead of restarting it
+            s = guard.start()
+        d = s.speculate()
+        decisions.append(d)
+        _feed(s, d, 3 if d else 1, 0.050 if d else 0.010)
+    assert decisions.index(True) == 99  # the 100th plain step since the last speculative one
+    assert sum(decisions) == 1  # the losing probe doubled the interval, but the 2% bound still rules
+    # A cheap probe (nearly paying) is tried at the doubling interval instead.
+    cheap = Guard(GuardConfig(probe_every=2, max_probe_every=8)).start()
+    _feed(cheap, True, 3, 0.0302)
+    _feed(cheap, False, 1, 0.010)
+    assert cheap.probe_interval() == 2
+    with pytest.raises(ValueError, match="probe_overhead"):
+        GuardConfig(probe_overhead=0.0)
 
 
 def test_measured_guard_measures_plain_steps_itself_and_refreshes_them():

@@ -85,6 +85,17 @@ class TreeLayout:
         return mask[:, None]
 
 
+def root_layout(root_ids: torch.Tensor) -> TreeLayout:
+    """The layout of a plain step: each request's root alone, root_ids [B] (no tree, no selection).
+    Equal to `build_layout` of an empty tree and an empty selection, in a handful of ops: a plain
+    step pays no layout bookkeeping."""
+    roots = root_ids.reshape(-1, 1).long()
+    B, device = roots.shape[0], roots.device
+    ints = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.int64, device=device)  # noqa: E731
+    return TreeLayout(node_idx=ints(B, 0), token_ids=roots, depth=ints(B, 1), parent_pos=ints(B, 1, fill=-1),
+                      valid=torch.ones(B, 1, dtype=torch.bool, device=device), paths=ints(B, 1, 1), num_nodes=ints(B))
+
+
 def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor,
                  max_depth: int | None = None) -> TreeLayout:
     """Lay out the root and the selected nodes `node_idx` [B, K] (-1 pad) for verification.

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..core.experts import ExpertSets, popcount
-from ..core.layout import TreeLayout, build_layout
+from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
@@ -96,21 +96,22 @@ class SpecEngine:
     # ------------------------------------------------------------------ stages
     def _first_token(self, prefill: TargetOutput, request: Request) -> int:
         """Sample the first token from the prefill logits with the same rule (an empty tree)."""
-        layout = build_layout(DraftTree.empty(1, prefill.logits.device), torch.zeros(1, 0, dtype=torch.int64),
-                              torch.zeros(1, dtype=torch.int64))
+        layout = root_layout(torch.zeros(1, dtype=torch.int64, device=prefill.logits.device))  # the token is unused
         result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
         return int(result.emitted_ids[0, 0])
 
     def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
+        speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
+        if not (speculate and self.policy.drafts):
+            return self._plain_step(request, cache, drafter, guard, speculate, t_step)
         context = request.prompt_ids + request.output_ids
         root = context[-1]
         device = self.target.device
-        speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
 
         t0 = time.perf_counter()
-        draft = drafter.draft(context, device) if speculate else _NO_DRAFT.draft(None, context, device)
+        draft = drafter.draft(context, device)
         remaining = request.max_tokens - len(request.output_ids)
         # Deeper nodes could never be emitted. A node's depth is at most the node count, so a tree of
         # no more nodes than the remaining budget needs no trimming (and no host read of its depths).
@@ -118,19 +119,16 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        experts, root_bits = self._predict(context, tree, draft, cache) if speculate else (None, None)
+        experts, root_bits = self._predict(context, tree, draft, cache)
         t_pred = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target and speculate else None
+        target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
         # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
-        valued = with_values(tree, values.values(tree, draft, context)) if values is not None and speculate else tree
-        if speculate and self.policy.drafts:
-            node_idx = (selection := self._select(valued, experts, root_bits, target_scores)).node_idx
-        else:  # a plain step (or policy "ar") verifies the root alone: no selection to run
-            selection, node_idx = None, torch.empty(1, 0, dtype=torch.int64, device=tree.token_ids.device)
-        max_depth = None
-        if selection is not None and node_idx.device.type != "cpu":
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
+        selection = self._select(valued, experts, root_bits, target_scores)
+        node_idx, max_depth = selection.node_idx, None
+        if node_idx.device.type != "cpu":
             node_idx, max_depth = self._device_selection(tree, node_idx)
         layout = build_layout(tree, node_idx, torch.tensor([root], device=tree.token_ids.device), max_depth)
         t_select = time.perf_counter() - t0
@@ -141,7 +139,7 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
 
-        if values is not None and selection is not None:  # the step's own outcome updates the request's value model (no extra forward)
+        if values is not None:  # the step's own outcome updates the request's value model (no extra forward)
             t0 = time.perf_counter()
             values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
             t_select += time.perf_counter() - t0
@@ -149,25 +147,53 @@ class SpecEngine:
         self.target.commit(cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if speculate:
-            drafter.commit(result, out)  # a drafter forward over the committed tokens
-        else:
-            drafter.defer(result, out)  # caught up in one forward when drafting resumes
+        drafter.commit(result, out)  # a drafter forward over the committed tokens
         t_draft += time.perf_counter() - t0
 
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         done = self._append(request, emitted)
         hits, checked = _predictor_hits(experts, out, layout, result)
+        self._record(request, guard, True, emitted, layout, out, result, t_step, draft_ms=t_draft * 1e3,
+                     predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
+                     target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
+        return done
+
+    def _plain_step(self, request: Request, cache, drafter: "RequestDrafter", guard: GuardState | None,
+                    speculated: bool, t_step: float) -> bool:
+        """Verify the root alone (policy "ar", or a step the guard decodes plainly): the forward and
+        sampling rule of a tree step with no nodes, without drafting, selection or tree bookkeeping."""
+        root = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
+        layout = root_layout(torch.tensor([root], device=self.target.device))
+        t0 = time.perf_counter()
+        out = self.target.verify(cache, layout)
+        t_target = time.perf_counter() - t0
+        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        t_verify = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.target.commit(cache, result.accepted_pos[0])
+        t_commit = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        drafter.defer(result, out)  # caught up in one forward when drafting resumes
+        t_draft = time.perf_counter() - t0
+        emitted = result.emitted_ids[0].tolist()
+        done = self._append(request, emitted)
+        self._record(request, guard, speculated, emitted, layout, out, result, t_step, draft_ms=t_draft * 1e3,
+                     predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
+                     commit_ms=t_commit * 1e3)
+        return done
+
+    def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
+                layout: TreeLayout, out: TargetOutput, result: VerifyResult, t_step: float, **times) -> None:
+        """The step's StepStats, and its outcome and wall time for the guard."""
+        verified = 0 if layout.num_positions == 1 else int(layout.num_nodes[0])
         request.steps.append(StepStats(
-            verified_tokens=int(layout.num_nodes[0]), accepted_tokens=int(result.num_accepted[0]),
-            committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
-            draft_ms=t_draft * 1e3, predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
-            target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, step_ms=(time.perf_counter() - t_step) * 1e3,
-            predictor_hits=hits, predictor_total=checked, speculated=speculate, **_per_rank_stats(out, self.placement),
+            verified_tokens=verified, accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
+            unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
+            step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated,
+            **times, **_per_rank_stats(out, self.placement),
         ))
         if guard is not None:
-            guard.observe(speculate, len(emitted), request.steps[-1].step_ms / 1e3, int(layout.num_nodes[0]))
-        return done
+            guard.observe(speculated, len(emitted), request.steps[-1].step_ms / 1e3, verified)
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth
@@ -222,14 +248,12 @@ class SpecEngine:
 
 
 
-
-_NO_DRAFT = NoDraft()
-
-
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     """Mean over MoE layers of distinct experts woken by the verified tokens."""
     ids = out.expert_ids[0]  # [T, L, topk]
-    L = ids.shape[1]
+    T, L = ids.shape[:2]
+    if T == 1:  # one token's top-k experts are distinct
+        return float(ids.shape[2])
     if ids.device.type == "cpu":  # a few hundred ints: Python sets beat a scatter of tensor ops
         rows = ids.transpose(0, 1).reshape(L, -1).tolist()
         return sum(len(set(r)) for r in rows) / L

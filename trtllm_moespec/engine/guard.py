@@ -16,9 +16,15 @@ While speculation loses the request decodes plainly (no drafter forward: the dra
 catches up on the skipped tokens in one forward when drafting resumes) and probes a
 speculative step every `probe_every` plain steps; a probe that still loses doubles the
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
-become predictable. Estimates carry over from one request to the next through the
-engine's `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently),
-so a new request starts from what the last ones measured.
+become predictable. The interval is never shorter than what keeps a losing probe's extra
+time (its seconds beyond decoding the tokens it commits plainly) within `probe_overhead`
+of the plain decoding time between probes: where a speculative step costs five plain
+ones and commits three tokens, a probe waits ~100 plain steps at the default 2%, so
+the guard's product is never more than that much slower than plain decoding. Estimates
+and the probe countdown carry over from one request to the next through the engine's
+`GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
+request starts from what the last ones measured, and short requests do not each restart
+the countdown.
 
 Lossless: the decision uses only past steps (their outcomes and timings), never the
 current step's random numbers; a plain step is verified by the same rule as `ar`.
@@ -31,6 +37,10 @@ from dataclasses import dataclass, field
 
 from ..core.drafting import speculation_pays
 
+# The longest wait between probes, whatever a probe costs: a change of the text (or of the machine's
+# load) that would make speculation pay is noticed within this many plain steps.
+MAX_PROBE_WAIT = 1024
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -42,6 +52,7 @@ class GuardConfig:
     refresh_every: int = 32  # speculative steps between plain steps that re-measure the plain cost
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
+    probe_overhead: float = 0.02  # a losing probe may cost at most this share of the plain time between probes
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
@@ -50,6 +61,8 @@ class GuardConfig:
             raise ValueError(f"guard weight must lie in (0, 1], got {self.weight}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"guard margin must be >= 0, got {self.margin}")
+        if not 0.0 < self.probe_overhead <= 1.0:
+            raise ValueError(f"probe_overhead must lie in (0, 1], got {self.probe_overhead}")
 
 
 @dataclass
@@ -76,6 +89,7 @@ class GuardMemory:
     spec_s: Ewma = field(default_factory=Ewma)  # seconds per speculative step
     plain_s: Ewma = field(default_factory=Ewma)  # seconds per plain step
     probe_every: int | None = None
+    since_spec: int = 0  # plain steps since the last speculative one, over requests (the probe countdown)
 
 
 class Guard:
@@ -105,7 +119,6 @@ class GuardState:
         if not self.config.measured:  # the profiled rule: the profile's plain step, never wall time
             self.plain_s = Ewma(guard.plain_step_s, 1)
         self.probe_every = m.probe_every or self.config.probe_every
-        self.since_spec = 0  # plain steps since the last speculative one
         self.since_plain = 0  # speculative steps since the last plain one
         self.probing = False  # the pending speculative step is a probe
         self.num_plain = 0
@@ -127,8 +140,17 @@ class GuardState:
             self.probing = False
             # While speculating, now and then measure a plain step again: the machine's load changes.
             return not (self.config.measured and self.since_plain >= self.config.refresh_every)
-        self.probing = self.since_spec >= self.probe_every
+        self.probing = self.memory.since_spec >= self.probe_interval()
         return self.probing
+
+    def probe_interval(self) -> int:
+        """Plain steps between probes: the doubling `probe_every`, or more where a losing probe costs
+        more than `probe_overhead` of that many plain steps."""
+        plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
+        if not (plain > 0 and loss > 0):
+            return self.probe_every
+        steps = math.ceil(round(loss / (self.config.probe_overhead * plain), 9))  # (rounding: 100.000...01 is 100)
+        return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
 
     def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
         """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs)."""
@@ -147,13 +169,13 @@ class GuardState:
                 self.probe_every = self.config.probe_every if won else min(2 * self.probe_every,
                                                                            self.config.max_probe_every)
                 mem.probe_every = self.probe_every
-            self.since_spec = 0
+            mem.since_spec = 0
             self.since_plain += 1
         else:
             cost = seconds if self.config.measured else float(self.guard.plain_step_s)
             self.plain_s.update(cost, w)
             mem.plain_s.update(cost, w)
-            self.since_spec += 1
+            mem.since_spec += 1
             self.since_plain = 0
             self.num_plain += 1
         self.probing = False
