@@ -195,15 +195,14 @@ def _build_layout_host(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.
         out_parent.append(parent_row), out_valid.append(valid_row), counts.append(len(pos_of))
     max_depth = max((d for row in out_depth for d in row), default=0)
     for b in range(B):
-        rows = []
-        for j in range(K + 1):
-            path = [-1] * (max_depth + 1)
-            p = j if out_valid[b][j] else -1
-            for _ in range(max_depth + 1):  # as many hops as the tensor path walks
-                if p < 0:
-                    break
-                path[out_depth[b][p]] = p
-                p = out_parent[b][p]
+        # A node's path is its parent's (laid out earlier, checked above) plus itself at its depth.
+        rows = [[0] + [-1] * max_depth]
+        for j in range(1, K + 1):
+            if out_valid[b][j]:
+                path = rows[out_parent[b][j]].copy()
+                path[out_depth[b][j]] = j
+            else:
+                path = [-1] * (max_depth + 1)
             rows.append(path)
         out_paths.append(rows)
     device = tree.token_ids.device

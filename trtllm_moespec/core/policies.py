@@ -76,11 +76,11 @@ def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cos
     """Selection = the first k[b] entries of order[b] (numpy inside: these tensors are tiny)."""
     device = order.device
     o, kk = order.cpu().numpy(), k.cpu().numpy()
-    s = scores.detach().cpu().double().numpy()
-    keep = np.arange(o.shape[1])[None, :] < kk[:, None]
-    picked = np.take_along_axis(s, np.maximum(o, 0), 1) if s.shape[1] else np.zeros(o.shape)
-    expected = 1.0 + np.where(keep, picked, 0.0).sum(1)
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    keep = np.arange(o.shape[1]) < kk[:, None]
+    s = scores.detach().cpu().numpy()
+    picked = s[np.arange(len(kk))[:, None], np.maximum(o, 0)] if s.shape[1] else np.zeros(o.shape)
+    expected = 1.0 + np.where(keep, picked, 0).sum(1, dtype=np.float64)  # float64 sum of the float32 scores
+    to = torch.from_numpy if device.type == "cpu" else (lambda a: torch.from_numpy(a).to(device))  # noqa: E731
     cost = cost if cost is not None else torch.full((len(kk),), math.nan, dtype=torch.float64, device=device)
     return Selection(to(np.where(keep, o, -1)), to(keep.sum(1).astype(np.int64)), to(expected), cost)
 

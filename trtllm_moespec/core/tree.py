@@ -350,25 +350,32 @@ def score_order(tree: DraftTree) -> torch.Tensor:
     B, N = tree.token_ids.shape
     if N == 0:
         return torch.zeros(B, 0, dtype=torch.int64, device=tree.token_ids.device)
+    return torch.from_numpy(_score_order_host(tree)[0]).to(tree.token_ids.device)
+
+
+def _score_order_host(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+    """score_order as numpy [B, N] int64, with each ordered entry's validity [B, N] bool."""
+    B, N = tree.token_ids.shape
     valid = tree.valid.cpu().numpy()
     neg_score = np.where(valid, -tree.log_scores.cpu().numpy().astype(np.float64), np.inf)
     depth = tree.depth.cpu().numpy()
     index = np.broadcast_to(np.arange(N), (B, N))
     # lexsort: the last key is the primary one.
-    order = np.lexsort((index, depth, neg_score, ~valid), axis=-1)
-    return torch.from_numpy(order.astype(np.int64)).to(tree.token_ids.device)
+    order = np.lexsort((index, depth, neg_score, ~valid), axis=-1).astype(np.int64)
+    return order, np.take_along_axis(valid, order, 1)
 
 
 def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:
     """[B, k] the top-k nodes by score (EAGLE-3's pruning), -1 where fewer exist."""
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    order = score_order(tree)[:, :k]
-    valid = tree.valid.gather(1, order)
-    order = torch.where(valid, order, -1)
-    if order.shape[1] < k:
-        order = torch.cat([order, order.new_full((tree.batch_size, k - order.shape[1]), -1)], 1)
-    return order
+    B, N = tree.token_ids.shape
+    top = np.full((B, k), -1, dtype=np.int64)
+    if N:  # one numpy pass (the ordering is host work anyway): no tensor ops around it
+        order, valid = _score_order_host(tree)
+        n = min(k, N)
+        top[:, :n] = np.where(valid[:, :n], order[:, :n], -1)
+    return torch.from_numpy(top).to(tree.token_ids.device)
 
 
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
