@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
-from ..core.layout import TreeLayout, build_layout
+from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, gather_nodes, limit_depth, score_order
 from ..core.values import RequestValues, accepted_nodes, with_values
@@ -183,8 +183,7 @@ class BatchedEngine:
         t0 = time.perf_counter()
         node_idx = self._select(running, drafts, predictions)
         roots = [torch.tensor([a.request.output_ids[-1]], device=self.target.device) for a in running]
-        layouts = [build_layout(d.tree if d is not None else DraftTree.empty(1, r.device), n, r)
-                   for d, n, r in zip(drafts, node_idx, roots)]
+        layouts = [build_layout(d.tree, n, r) if d is not None else root_layout(r) for d, n, r in zip(drafts, node_idx, roots)]
         t_select = time.perf_counter() - t0
         t0 = time.perf_counter()
         outs = verify_batch(self.target, [a.cache for a in running], layouts)
@@ -357,12 +356,17 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
 
     for c, layout in zip(caches, layouts):
         target._check_ready(c, layout.token_ids)
-    stacked = pad_layouts(layouts)
-    prefix = torch.tensor([c.num_tokens for c in caches], device=stacked.token_ids.device)
-    batch = ForwardBatch(
-        input_ids=stacked.token_ids.to(target.device), positions=stacked.position_ids(prefix).to(target.device),
-        slots=tuple(c.slot for c in caches), prefix_lens=tuple(c.num_tokens for c in caches),
-        tree_mask=stacked.tree_mask().to(target.device) if stacked.num_positions > 1 else None, logits_to_keep=0)
+    prefix_lens = tuple(c.num_tokens for c in caches)
+    if all(layout.num_positions == 1 for layout in layouts):  # a plain batch: the roots at their positions
+        input_ids = torch.cat([layout.token_ids for layout in layouts])
+        positions, tree_mask = torch.tensor(prefix_lens, device=input_ids.device)[:, None], None
+    else:
+        stacked = pad_layouts(layouts)
+        input_ids, positions = stacked.token_ids, stacked.position_ids(torch.tensor(prefix_lens, device=stacked.token_ids.device))
+        tree_mask = stacked.tree_mask() if stacked.num_positions > 1 else None
+    batch = ForwardBatch(input_ids=input_ids.to(target.device), positions=positions.to(target.device),
+                         slots=tuple(c.slot for c in caches), prefix_lens=prefix_lens,
+                         tree_mask=None if tree_mask is None else tree_mask.to(target.device), logits_to_keep=0)
     out = lean.forward(caches[0].kv, batch)
     outputs = []
     for b, (c, layout) in enumerate(zip(caches, layouts)):
