@@ -168,6 +168,24 @@ def test_batch_policy_needs_its_loaded_policy(checkpoints):
         BatchedEngine(llm.engine, 2, joint_batch=True, batch_policy="evict-batch")
 
 
+def test_a_batch_of_guarded_requests_is_guarded(checkpoints):
+    """Without a batch policy the batch follows the loaded engine's guard: a cost-aware policy served
+    batched falls back to plain batches where speculation loses (eagle3 and guard="off" stay unguarded)."""
+    joint = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle")
+    assert joint.engine.guard is not None and BatchedEngine(joint.engine, 4).guard is not None
+    assert BatchedEngine(joint.engine, 4, goodput_guard=False).guard is None
+    for kw in ({"policy": "eagle3"}, {"policy": "joint", "predictor": "oracle", "guard": "off"}):
+        llm = _llm(checkpoints, "qwen3_moe", **kw)
+        assert llm.engine.guard is None and BatchedEngine(llm.engine, 4).guard is None
+    # A speculative step that loses to plain decoding: the guard decides the batch's next steps plainly.
+    engine = BatchedEngine(joint.engine, 4)
+    engine.guard.record(2, True, 2, 0.100)
+    engine.guard.record(2, False, 2, 0.010)
+    requests = [joint.make_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS[:2]]
+    _drive(engine, requests)
+    assert all(not s.verified_tokens for r in requests for s in r.steps)
+
+
 class _Recording(_Scripted):
     """A scripted guard that keeps what the engine reports for each step."""
 

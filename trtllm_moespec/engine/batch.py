@@ -79,7 +79,10 @@ class BatchedEngine:
       "ecospec-batch" (policy ecospec): EcoSpec's greedy on the batch's union, B times its budget.
     joint-batch and evict-batch run, unless `goodput_guard=False`, a guard that decodes plainly
     (no drafter forward at all) when speculation does not pay for the batch; ecospec-batch runs
-    it only when given one (EcoSpec's rule has no cost model: the baseline as published).
+    it only when given one (EcoSpec's rule has no cost model: the baseline as published). Without
+    a batch policy each request keeps its own policy's selection, and the batch is guarded when the
+    loaded engine is (`guard` "auto" guards the cost-aware policies): a served cost-aware policy is
+    never left speculating where plain decoding of the batch is faster.
     """
 
     def __init__(self, engine: SpecEngine, max_batch_size: int, joint_batch: bool = False,
@@ -102,7 +105,8 @@ class BatchedEngine:
         if isinstance(goodput_guard, GoodputGuard):
             self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
         else:
-            self.guard = GoodputGuard() if goodput_guard and batch_policy in ("joint-batch", "evict-batch") else None
+            guarded = batch_policy in ("joint-batch", "evict-batch") or (batch_policy is None and engine.guard is not None)
+            self.guard = GoodputGuard() if goodput_guard and guarded else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
         # Plain steps (chosen by the guard) skip the drafter: the draft source remembers their tokens and
         # catches up in one forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's
