@@ -62,7 +62,7 @@ def test_probes_of_a_much_dearer_mode_are_spaced_to_cost_at_most_the_overhead():
 
 
 def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
-    guard = GoodputGuard(alpha=1.0)
+    guard = GoodputGuard(alpha=1.0, probe_overhead=0.02)
     guard.record(2, True, 4, 1.0)
     guard.record(2, False, 4, 0.5)  # at B=2 plain wins
     assert guard.speculate(4) is False and guard.speculate(1) is False  # so neighbours start plain...

@@ -55,7 +55,7 @@ def test_guard_reenables_when_text_becomes_predictable():
 
 
 def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_over_requests():
-    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8))  # default probe_overhead 2%
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02))
     s = guard.start()
     _feed(s, True, 3, 0.050)  # a speculative step costs 5 plain steps and commits 3 tokens: 2 steps lost
     _feed(s, False, 1, 0.010)
@@ -70,7 +70,7 @@ def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_ove
     assert decisions.index(True) == 99  # the 100th plain step since the last speculative one
     assert sum(decisions) == 1  # the losing probe doubled the interval, but the 2% bound still rules
     # A cheap probe (nearly paying) is tried at the doubling interval instead.
-    cheap = Guard(GuardConfig(probe_every=2, max_probe_every=8)).start()
+    cheap = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02)).start()
     _feed(cheap, True, 3, 0.0302)
     _feed(cheap, False, 1, 0.010)
     assert cheap.probe_interval() == 2

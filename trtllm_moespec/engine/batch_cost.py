@@ -14,7 +14,7 @@
   engine, at whatever size the batch has then) after an interval that doubles while its probes
   keep losing and that is never shorter
   than what keeps a probe's extra time within `probe_overhead` of the winner's (a speculative step
-  10x dearer than a plain one is probed every ~450 steps at the default 2%: on a compute-bound
+  10x dearer than a plain one is probed every ~900 steps at the default 1%: on a compute-bound
   machine a batch's speculative step, which also starts the drafters that plain steps left
   unstarted, costs 10-25 plain steps), so a change in the text or the
   context length is noticed without paying for many lost probes.
@@ -96,7 +96,7 @@ class GoodputGuard:
     """
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
-                 probe_overhead: float = 0.02):
+                 probe_overhead: float = 0.01):
         if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every or not 0 < probe_overhead < 1:
             raise ValueError(f"need alpha in (0, 1], 2 <= probe_every <= max_probe_every and probe_overhead in "
                              f"(0, 1), got {alpha}, {probe_every}, {max_probe_every}, {probe_overhead}")

@@ -153,7 +153,7 @@ class SpecEngine:
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         done = self._append(request, emitted)
         hits, checked = _predictor_hits(experts, out, layout, result)
-        self._record(request, guard, True, emitted, layout, out, result, t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, True, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return done
@@ -177,13 +177,13 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
         done = self._append(request, emitted)
-        self._record(request, guard, speculated, emitted, layout, out, result, t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, speculated, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
                      commit_ms=t_commit * 1e3)
         return done
 
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
-                layout: TreeLayout, out: TargetOutput, result: VerifyResult, t_step: float, **times) -> None:
+                layout: TreeLayout, out: TargetOutput, t_step: float, **times) -> None:
         """The step's StepStats, and its outcome and wall time for the guard."""
         verified = 0 if layout.num_positions == 1 else int(layout.num_nodes[0])
         request.steps.append(StepStats(

@@ -19,7 +19,7 @@ interval (up to `max_probe_every`), one that wins re-enables speculation: the te
 become predictable. The interval is never shorter than what keeps a losing probe's extra
 time (its seconds beyond decoding the tokens it commits plainly) within `probe_overhead`
 of the plain decoding time between probes: where a speculative step costs five plain
-ones and commits three tokens, a probe waits ~100 plain steps at the default 2%, so
+ones and commits three tokens, a probe waits ~200 plain steps at the default 1%, so
 the guard's product is never more than that much slower than plain decoding. Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
@@ -52,7 +52,7 @@ class GuardConfig:
     refresh_every: int = 32  # speculative steps between plain steps that re-measure the plain cost
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
-    probe_overhead: float = 0.02  # a losing probe may cost at most this share of the plain time between probes
+    probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
