@@ -109,3 +109,11 @@ def test_a_probe_that_beats_the_winner_is_not_backed_off():
         guard.record(2, False, 4, 1.0)
     guard.record(2, True, 6, 1.0)  # 6 tokens/s beats plain's 4, but the slow average still says plain
     assert guard.speculate(2) is False and guard._interval == 4
+
+
+def test_one_stalled_step_does_not_flip_the_batch_decision():
+    guard = GoodputGuard(alpha=0.2)
+    guard.record(4, True, 12, 0.062)  # 194 tok/s speculating
+    guard.record(4, False, 4, 0.017)  # 235 tok/s plain
+    guard.record(4, False, 4, 0.800)  # a stall (5 tok/s): counted as 3 plain steps' time at most (78 tok/s)
+    assert guard.speculate(4) is False  # 0.8 * 235 + 0.2 * 78 = 204 tok/s (unclipped: 189): plain still wins

@@ -78,6 +78,18 @@ def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_ove
         GuardConfig(probe_overhead=0.0)
 
 
+def test_one_stalled_plain_step_does_not_make_speculation_look_paying():
+    s = Guard(GuardConfig()).start()
+    _feed(s, True, 3, 0.025)  # 120 tok/s speculating
+    _feed(s, False, 1, 0.0043)  # 233 tok/s plain
+    _feed(s, False, 1, 0.200)  # one stall (47x): counted as 3x the plain mean at most
+    assert s.plain_s.value == pytest.approx(0.75 * 0.0043 + 0.25 * 3 * 0.0043)
+    assert not s.pays() and not s.speculate()
+    for _ in range(6):  # a real slowdown still gets through within a few steps
+        _feed(s, False, 1, 0.040)
+    assert s.plain_s.value > 0.030 and s.pays()
+
+
 def test_measured_guard_measures_plain_steps_itself_and_refreshes_them():
     # The profile claims a 500 ms plain step; the measured guard does not trust it and measures one.
     s = Guard(GuardConfig(refresh_every=3), cost_table=(0.03,) * 9, plain_step_s=0.5).start()

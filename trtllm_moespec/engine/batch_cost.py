@@ -29,6 +29,7 @@ import statistics
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
+from .guard import TIME_CLIP
 
 
 class BatchCosts:
@@ -123,6 +124,8 @@ class GoodputGuard:
         probed = before is not None and speculated != before
         winner = self._goodput[(self._nearest_measured(batch_size), before)] if probed else 0.0
         key = (batch_size, speculated)
+        if key in self._seconds:  # one stalled step counts as at most TIME_CLIP times this mode's mean
+            seconds = min(seconds, TIME_CLIP * self._seconds[key])
         self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
         self._seconds[key] = self._ema(self._seconds.get(key), seconds)
         after = self._decision(batch_size)

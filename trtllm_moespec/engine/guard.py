@@ -37,6 +37,11 @@ from dataclasses import dataclass, field
 
 from ..core.drafting import speculation_pays
 
+# A step's wall time counts as at most this many times the running mean of its kind: one stall of the
+# machine (a page fault, a neighbour's burst) must not make plain steps look slow enough that
+# speculation seems to pay, which a rarely re-measured plain estimate would then remember for long.
+TIME_CLIP = 3.0
+
 # The longest wait between probes, whatever a probe costs: a change of the text (or of the machine's
 # load) that would make speculation pay is noticed within this many plain steps.
 MAX_PROBE_WAIT = 1024
@@ -72,7 +77,10 @@ class Ewma:
     value: float = math.nan
     count: int = 0
 
-    def update(self, x: float, weight: float) -> None:
+    def update(self, x: float, weight: float, clip: float | None = None) -> None:
+        """Add observation x; with `clip`, x counts as at most clip times the current mean."""
+        if self.count and clip is not None:
+            x = min(x, clip * self.value)
         self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
         self.count += 1
 
@@ -160,9 +168,9 @@ class GuardState:
         if speculated:
             cost = seconds if self.config.measured else self._profiled_spec_s(verified_tokens)
             self.spec_tokens.update(committed_tokens, w)
-            self.spec_s.update(cost, w)
+            self.spec_s.update(cost, w, TIME_CLIP)
             mem.spec_tokens.update(committed_tokens, w)
-            mem.spec_s.update(cost, w)
+            mem.spec_s.update(cost, w, TIME_CLIP)
             if self.probing:
                 self.num_probes += 1
                 won = bool(self.pays())
@@ -173,8 +181,8 @@ class GuardState:
             self.since_plain += 1
         else:
             cost = seconds if self.config.measured else float(self.guard.plain_step_s)
-            self.plain_s.update(cost, w)
-            mem.plain_s.update(cost, w)
+            self.plain_s.update(cost, w, TIME_CLIP)
+            mem.plain_s.update(cost, w, TIME_CLIP)
             mem.since_spec += 1
             self.since_plain = 0
             self.num_plain += 1
