@@ -40,6 +40,15 @@ def _env() -> dict:
     return env
 
 
+def _with_default_sigint(command: list[str]) -> list[str]:
+    """`command` started with Ctrl-C at its default action, as from a terminal. A test runner started in
+    the background by a non-interactive shell ignores SIGINT, and an ignored signal stays ignored across
+    exec (Python then installs no KeyboardInterrupt handler): a one-line trampoline resets it first."""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    exe = shutil.which(command[0]) or command[0]
+    return [sys.executable, "-c", reset, exe] + command[1:]
+
+
 def run_moespec(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(moespec_command() + args, capture_output=True, text=True, timeout=timeout, env=_env())
 
@@ -174,7 +183,7 @@ def test_bench_ctrl_c_twice_keeps_a_finished_report(files, tmp_path):
     good = {"schema": "moespec-bench/1", "status": "complete", "results": [{"method": "ar"}]}
     report = tmp_path / "r.json"
     report.write_text(json.dumps(good))
-    proc = subprocess.Popen(moespec_command() + [
+    proc = subprocess.Popen(_with_default_sigint(moespec_command()) + [
         "bench", "--model", str(files["target"]), "--draft-model", str(files["draft"]), "--tree", "2,4,8",
         "--methods", "ar,eagle3", "--predictor", "oracle", "--num-prompts", "8", "--max-tokens", "32",
         "--json", str(report)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
@@ -183,12 +192,12 @@ def test_bench_ctrl_c_twice_keeps_a_finished_report(files, tmp_path):
     def read_stderr():
         for chunk in iter(lambda: proc.stderr.read1(4096), b""):
             err.extend(chunk)
-            if b"bench (prompts x methods)" in err:  # the models are loaded and the bench loop runs
+            if b"load methods" in err:
                 seen.set()
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
-    assert seen.wait(240), bytes(err).decode()[-2000:]
+    assert seen.wait(240), bytes(err).decode()[-2000:]  # the models are loading
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
