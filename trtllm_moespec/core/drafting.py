@@ -119,6 +119,7 @@ class DraftStopRule:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if not (math.isfinite(self.draft_forward_s) and self.draft_forward_s > 0):
             raise ValueError(f"draft_forward_s must be positive, got {self.draft_forward_s}")
+        object.__setattr__(self, "_table", np.asarray(self.cost_table, dtype=np.float64))  # frozen: set once here
 
     def __call__(self, tree: DraftTree, frontier: torch.Tensor, num_forwards: int) -> torch.Tensor:
         # Called before every drafter forward: after the values, the small sort/gather/utility work runs
@@ -129,13 +130,5 @@ class DraftStopRule:
         fr = frontier.detach().cpu().numpy()
         frontier_values = np.where(fr >= 0, np.take_along_axis(values, np.maximum(fr, 0), axis=1), 0.0)  # [B, F]
         forwards_left = max(self.steps - 1 - num_forwards, 1)
-        return torch.from_numpy(~_expand_pays_host(sorted_values, frontier_values, self._table(), forwards_left,
+        return torch.from_numpy(~_expand_pays_host(sorted_values, frontier_values, self._table, forwards_left,
                                                    self.draft_forward_s))
-
-    def _table(self) -> np.ndarray:
-        """cost_table as float64 numpy, built once per rule (the dataclass is frozen: cached by hand)."""
-        table = self.__dict__.get("_table_np")
-        if table is None:
-            table = np.asarray(self.cost_table, dtype=np.float64)
-            object.__setattr__(self, "_table_np", table)
-        return table

@@ -34,7 +34,7 @@ import torch
 from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.select import path_bits
-from ..core.tree import DraftTree, gather_nodes, limit_depth, score_order
+from ..core.tree import DraftTree, gather_nodes, limit_depth, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
@@ -260,14 +260,10 @@ class BatchedEngine:
     def _evict_batch(self, trees: list[DraftTree]) -> list[torch.Tensor]:
         policy = self.engine.policy
         cap = policy.cost_table.max_nodes if policy.budget is None else min(policy.budget, policy.cost_table.max_nodes)
-        orders = [score_order(t)[:, :cap] for t in trees]  # EVICT's per-request order (prefixes parent-closed)
-        N = max(o.shape[1] for o in orders)
-        order = torch.cat([torch.nn.functional.pad(o, (0, N - o.shape[1]), value=-1) for o in orders])
-        valid = torch.cat([torch.nn.functional.pad(gather_nodes(t.valid, o, False), (0, N - o.shape[1]))
-                           for t, o in zip(trees, orders)])
-        order = torch.where(valid, order, -1)  # invalid nodes sort last: the valid ones stay a prefix
-        scores = torch.cat([torch.nn.functional.pad(gather_nodes(t.scores, o, 0.0), (0, N - o.shape[1]))
-                            for t, o in zip(trees, orders)])
+        # EVICT's per-request order: its top `cap` nodes by value (every prefix parent-closed), -1 after them
+        orders = [top_k_nodes(t, cap) for t in trees]
+        order = torch.cat(orders)
+        scores = torch.cat([gather_nodes(t.scores, o, 0.0) for t, o in zip(trees, orders)])
         total = cap * len(trees)
         sel = evict_batch_select(order, scores, self.costs.table(len(trees), total), total)
         return [sel.node_idx[b:b + 1] for b in range(len(trees))]
@@ -367,7 +363,7 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
     else:
         stacked = pad_layouts(layouts)
         input_ids, positions = stacked.token_ids, stacked.position_ids(torch.tensor(prefix_lens, device=stacked.token_ids.device))
-        tree_mask = stacked.tree_mask() if stacked.num_positions > 1 else None
+        tree_mask = stacked.tree_mask()
     batch = ForwardBatch(input_ids=input_ids.to(target.device), positions=positions.to(target.device),
                          slots=tuple(c.slot for c in caches), prefix_lens=prefix_lens,
                          tree_mask=None if tree_mask is None else tree_mask.to(target.device), logits_to_keep=0)

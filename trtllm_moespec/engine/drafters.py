@@ -43,8 +43,9 @@ class NoDraft:
 
 
 # Plain steps a lazily started drafter may miss before it is started anyway. Each kept step holds its
-# root position's capture hidden (3 KB on moespec-tiny) and its result, so the wait is bounded; a request this long pays the drafter's prompt prefill once, as it would
-# without the wait, amortised over hundreds of tokens.
+# root position's capture hidden (3 KB on moespec-tiny) and its result, so the wait is bounded; a
+# request this long pays the drafter's prompt prefill once, as it would without the wait, amortised
+# over hundreds of tokens.
 MAX_PENDING_STEPS = 256
 
 
@@ -124,14 +125,7 @@ class Eagle3Source:
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         self._catch_up(state)
-        if self.extend_runner is None:
-            self.drafter.commit(state.cache, result.accepted_pos[0], result.emitted_ids[0], verify.hidden)
-            return
-        # The same pairs as Eagle3Drafter.commit: (emitted token i, verify hidden at the root or
-        # accepted node i). The emitted count is the step's one read-back after the verify.
-        n = int(result.num_emitted[0])
-        pos = torch.cat([result.accepted_pos.new_zeros(1), result.accepted_pos[0, :n - 1]]).to(verify.hidden.device)
-        self._extend(state.cache, result.emitted_ids[:, :n], verify.hidden[:, pos])
+        self._extend(state.cache, *self.drafter.commit_pairs(result.accepted_pos[0], result.emitted_ids[0], verify.hidden))
 
     def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
         """Append drafter positions through the static runner when the extension fits its buckets."""

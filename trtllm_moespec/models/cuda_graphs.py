@@ -178,25 +178,13 @@ class VerifyGraphs(StaticVerify):
                 b.graph, b.output = None, None
         if buf.graph is None:
             try:
-                self._capture(buf)
+                buf.graph, buf.output = _capture_graph(lambda: self._call(buf), self.pool)
             except Exception as e:  # a kernel that cannot be captured, or out of memory
                 raise GraphCaptureError(str(e)) from e
             self._captured_for = (self.cache.kv, self.lean._cos)
+            self.captures += 1
         buf.graph.replay()
         return buf.output
-
-    def _capture(self, buf: _Bucket) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy inits, rotary table)
-            for _ in range(2):
-                self._call(buf)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._call(buf)
-        buf.graph, buf.output = graph, out
-        self.captures += 1
 
 
 RUNNER_KINDS = ("graphs", "static")
@@ -209,11 +197,13 @@ class GraphCaptureError(RuntimeError):
 def make_runner(kind: str, lean: LeanForward, cache: StaticKVCache, slot: int,
                 buckets: tuple[int, ...]) -> StaticVerify:
     """"graphs": CUDA graphs per bucket (CUDA only); "static": the same bucketed call run eagerly."""
-    if kind == "graphs":
-        return VerifyGraphs(lean, cache, slot, buckets)
-    if kind == "static":
-        return StaticVerify(lean, cache, slot, buckets)
-    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+    return _runner_class(kind, VerifyGraphs, StaticVerify)(lean, cache, slot, buckets)
+
+
+def _runner_class(kind: str, graphs: type, static: type) -> type:
+    if kind not in RUNNER_KINDS:
+        raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+    return graphs if kind == "graphs" else static
 
 
 def warn_fallback(error: BaseException, forward: str = "verify forward") -> None:
@@ -353,11 +343,7 @@ class DrafterGraphs(StaticDrafterExtend):
 
 def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticDrafterExtend:
     """"graphs": CUDA graphs of the drafter's extension forwards; "static": the same call eagerly."""
-    if kind == "graphs":
-        return DrafterGraphs(drafter, buckets)
-    if kind == "static":
-        return StaticDrafterExtend(drafter, buckets)
-    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+    return _runner_class(kind, DrafterGraphs, StaticDrafterExtend)(drafter, buckets)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,8 +470,4 @@ class DrafterFrontierGraphs(StaticDrafterFrontier):
 
 def make_frontier_runner(kind: str, drafter, width: int) -> StaticDrafterFrontier:
     """"graphs": one CUDA graph of the tree-drafting forward (CUDA only); "static": the same call eagerly."""
-    if kind == "graphs":
-        return DrafterFrontierGraphs(drafter, width)
-    if kind == "static":
-        return StaticDrafterFrontier(drafter, width)
-    raise ValueError(f"runner kind must be one of {', '.join(RUNNER_KINDS)}, got {kind!r}")
+    return _runner_class(kind, DrafterFrontierGraphs, StaticDrafterFrontier)(drafter, width)

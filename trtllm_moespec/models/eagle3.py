@@ -479,6 +479,11 @@ class Eagle3Drafter(nn.Module):
         """After a verify step: accepted layout positions accepted_pos [D] (-1 pad), the emitted
         tokens emitted_ids [D+1] (accepted tokens then the bonus, -1 pad) and the verify forward's
         capture hidden [1, 1+K, 3H]. Appends (emitted token i, hidden at root/accepted node i)."""
+        self.extend(cache, *self.commit_pairs(accepted_pos, emitted_ids, target_hidden))
+
+    def commit_pairs(self, accepted_pos: torch.Tensor, emitted_ids: torch.Tensor,
+                     target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `commit` appends: (token ids [1, n], target hidden [1, n, 3H]), n = accepted + 1."""
         if accepted_pos.device.type == "cpu" and emitted_ids.device.type == "cpu":
             # a handful of indices: filtering them in numpy is a few us instead of ~10 torch ops
             accepted, emitted = accepted_pos.reshape(-1).numpy(), emitted_ids.reshape(-1).numpy()
@@ -494,9 +499,7 @@ class Eagle3Drafter(nn.Module):
         if emitted.shape[0] != accepted.shape[0] + 1:
             raise ValueError(f"{emitted.shape[0]} emitted tokens for {accepted.shape[0]} accepted nodes; "
                              "expected accepted + 1 (the bonus token)")
-        hidden = target_hidden.index_select(1, pos.to(target_hidden.device))
-        self.extend(cache, emitted[None].to(self.lm_head.weight.device), hidden)
-
+        return emitted[None].to(self.lm_head.weight.device), target_hidden.index_select(1, pos.to(target_hidden.device))
 
     def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None,
                    should_expand=None):

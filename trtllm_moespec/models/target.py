@@ -290,12 +290,12 @@ class TargetModel:
             raise ValueError(f"accepted positions {accepted} out of the layout range 1..{pending - 1}")
         n = 1 + len(accepted)
         chain = accepted == list(range(1, n))  # the kept slots already sit behind the prefix, in order
+        src = None if chain else torch.tensor([P] + [P + a for a in accepted], device=self.device)
         if self.lean is not None:  # one gather over all layers; rejected slots are overwritten later
             if not chain:
-                cache.kv.commit(cache.slot, P, torch.tensor([P] + [P + a for a in accepted], device=self.device))
+                cache.kv.commit(cache.slot, P, src)
             cache.num_tokens, cache.num_pending = P + n, 0
             return
-        src = torch.tensor([P] + [P + a for a in accepted], device=self.device)
         for layer in cache.kv.layers:
             if not chain:  # copy accepted slots down; the source is gathered first, so no aliasing
                 layer.keys[:, :, P : P + n] = layer.keys[:, :, src]

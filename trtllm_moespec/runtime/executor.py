@@ -209,7 +209,7 @@ class Executor:
     def batched(self) -> bool:
         """Do concurrent calls share engine steps (the PyTorch engine's continuous batch)? Callers
         such as the Triton model then run their requests concurrently instead of one by one."""
-        return type(self._impl).__name__ == "BatchedBackend"
+        return getattr(self._impl, "batched", False)
 
     def generate(self, prompts: str | Sequence[str], sampling_params: Any = None) -> list[Any]:
         if isinstance(prompts, str):

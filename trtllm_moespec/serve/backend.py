@@ -23,6 +23,8 @@ from .scheduler import FinishEvent, Scheduler, TokenEvent
 class BatchedBackend:
     """generate / stream / shutdown over a started scheduler (see module docstring)."""
 
+    batched = True  # concurrent calls share engine steps (`runtime.Executor.batched`)
+
     def __init__(self, llm: LLM, max_batch_size: int = 8, max_queue: int = 1024, engine: str = "batched"):
         self.llm = llm
         self.scheduler = Scheduler(make_engine(llm, max_batch_size, engine), max_queue)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol
 
-from ..engine.batch import BatchedEngine
+from ..engine.batch import BATCH_POLICIES, BatchedEngine
 from ..engine.engine import Request, SpecEngine
 from ..engine.stats import StepStats
 
@@ -154,7 +154,7 @@ class BatchedServingEngine:
                 BatchStepStats(len(outputs), time.perf_counter() - t0, experts))
 
 
-ENGINES = ("batched", "joint-batch", "evict-batch", "ecospec-batch", "round-robin")
+ENGINES = ("batched", *BATCH_POLICIES, "round-robin")
 
 
 def make_engine(llm: "LLM", max_batch_size: int, kind: str = "batched") -> ServingEngine:
