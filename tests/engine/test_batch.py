@@ -231,6 +231,8 @@ def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):
     pool = getattr(llm.target, "_pool", None)
     if pool is not None:  # the static cache: never more slots than the batch needed, all free again
         assert pool.num_slots <= 4 and len(pool._free) == pool.num_slots
+    # drafter K/V buffers too: one per request alive at once (their CUDA graphs are kept per buffer)
+    assert llm.engine.draft_source.drafter.kv_pool.allocated <= 2
     with pytest.raises(ValueError, match="full"):
         for r in requests[:3]:
             engine.add(r)

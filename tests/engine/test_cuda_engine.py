@@ -51,6 +51,11 @@ def test_cuda_graphs_on_equals_graphs_off(policy):
         llm = LLM("moespec-tiny", policy=policy, device="cuda", override_profile=True, cuda_graphs=graphs)
         prompts = llm.encode([PROMPT, "The quick brown fox"])
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=96, ignore_eos=True))]
+        if graphs and policy == "eagle3":  # the second request reused the first one's drafter buffer and graphs
+            source = llm.engine.draft_source
+            assert source.drafter.kv_pool.allocated == 1
+            assert source.frontier_runner.captures == 1
+            assert source.extend_runner.captures <= len(source.extend_runner.buckets)
     assert outs[True] == outs[False]
 
 
@@ -90,7 +95,8 @@ def test_verify_graph_replay_equals_eager_verify():
 
 def test_frontier_graph_drafts_the_eager_tree():
     """`DrafterFrontierGraphs`: one graph captured for the topk-wide frontier, replayed for every
-    drafting step, drafts the tree `Eagle3Drafter.forward` drafts; a second request's buffer recaptures."""
+    drafting step, drafts the tree `Eagle3Drafter.forward` drafts; a second request reuses the first
+    one's buffer (`DrafterKVPool`) and so its graph; two live requests get a graph each."""
     from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs
     from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
 
@@ -110,5 +116,13 @@ def test_frontier_graph_drafts_the_eager_tree():
         assert torch.equal(got.tree.token_ids, eager.tree.token_ids)
         assert torch.equal(got.tree.parents, eager.tree.parents)
         torch.testing.assert_close(got.tree.scores, eager.tree.scores, atol=1e-4, rtol=0)
-        assert graphs.captures == request + 1  # one graph per request buffer, not one per step
+        assert graphs.captures == 1  # one graph per buffer, not one per step or per request
     assert graphs.replays == 2 * eager.num_forwards
+    other = drafter.new_cache()  # live beside `cache`: its own buffer, its own graph
+    drafter.extend(other, torch.randint(0, 100, (1, 12), generator=gen).cuda(),
+                   torch.randn(1, 12, drafter.fc.in_features, generator=gen).cuda().to(drafter.fc.weight.dtype))
+    for c in (other, cache, other):
+        eager = draft_eagle3_tree(drafter, c, steps, topk)
+        got = draft_eagle3_tree(drafter, c, steps, topk, frontier_runner=graphs)
+        assert torch.equal(got.tree.token_ids, eager.tree.token_ids)
+    assert graphs.captures == 2 and graphs.graphs.num_buffers == 2

@@ -90,6 +90,8 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
     assert [o.token_ids for o in outs] == plain
     assert calls and max(calls) <= llm.tree.steps + 1
     assert frontiers and max(frontiers) <= llm.tree.topk, "the tree-drafting forwards never used the runner"
+    # one request at a time: each drafted on the buffer (and, on CUDA, the graphs) of the one before
+    assert source.drafter.kv_pool.allocated == 1
     eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
     # the drafter state matches too: every step accepted as many tokens as with the eager drafter
     assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]

@@ -19,8 +19,10 @@ The drafter has two static runners of its own (section below, same pattern): its
 extension over the committed tokens (`StaticDrafterExtend` / `DrafterGraphs`, a graph per length
 bucket) and its tree-drafting steps (`StaticDrafterFrontier` / `DrafterFrontierGraphs`: the
 frontier padded to topk rows, ONE graph, replayed for every drafting step). Drafter graphs are
-bound to one request's drafter K/V buffer, so each new request recaptures them (lazily, on first
-use); the CPU engine uses neither runner unless a test sets one ("static": the same calls eagerly).
+bound to the drafter K/V buffer they were captured over, so they are kept per buffer
+(`DrafterGraphStore`), and buffers are reused across requests (`eagle3.DrafterKVPool`): requests
+served one at a time replay one buffer's graphs, each captured once. The CPU engine uses neither
+runner unless a test sets one ("static": the same calls eagerly).
 
 Buckets: the cost profile is dense (C(k) for every k), so it names no verify lengths of its
 own; the buckets are a power-of-two ladder capped by the tree's largest verify
@@ -30,6 +32,7 @@ own; the buckets are a power-of-two ladder capped by the tree's largest verify
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -228,17 +231,75 @@ def _capture_graph(call, pool) -> tuple[object, object]:
     return graph, out
 
 
-def _drafter_graph_key(drafter, kv: torch.Tensor) -> tuple:
-    """What a drafter graph points at besides its own buffers: the K/V buffer, the signed rope table
-    and the fused weights (a new request's cache, a grown buffer or table, or reloaded weights move
-    them; the graph must then be recaptured). The objects themselves, compared by identity (`_same`):
-    holding them keeps their memory from being reused while the graph still points at it."""
+def _drafter_tables(drafter) -> tuple:
+    """What every drafter graph points at besides its inputs and K/V buffer: the signed rope table
+    and the fused weights (a first forward builds them; a long position grows the table; reloaded
+    weights replace them). The objects themselves, compared by identity (`_same`): holding them
+    keeps their memory from being reused while a graph still points at it."""
     table = drafter._rope_signed_table
-    return kv, None if table is None else table[1], drafter._fused
+    return None if table is None else table[1], drafter._fused
 
 
 def _same(a: tuple | None, b: tuple) -> bool:
     return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+class DrafterGraphStore:
+    """A drafter runner's captured graphs, kept per K/V buffer: a graph writes its keys into the
+    buffer it was captured over, so each buffer needs its own. Buffers are reused across requests
+    (`eagle3.DrafterKVPool`), so a sequence of requests replays the graphs of one buffer and a batch
+    of B requests those of B buffers, each captured once. The graphs of at most `max_buffers`
+    buffers are kept (least recently used dropped); every graph goes when the drafter's tables are
+    replaced (`_drafter_tables`) or the runner's static inputs are (`clear`). `capture` is
+    `_capture_graph` (CUDA); tests of this bookkeeping pass a stand-in."""
+
+    def __init__(self, drafter, pool, max_buffers: int = 8, capture=None):
+        self.drafter, self.pool, self.max_buffers = drafter, pool, max_buffers
+        self._capture = capture or _capture_graph
+        self._tables: tuple | None = None
+        self._by_buffer: OrderedDict[int, tuple[torch.Tensor, dict]] = OrderedDict()  # id(kv) -> (kv, graphs)
+        self.captures = 0
+
+    def replay(self, kv: torch.Tensor, name, call):
+        """Replay graph `name` over buffer kv, capturing `call()` first if it has none; returns
+        the graph's static outputs."""
+        self._check_tables()
+        graphs = self._graphs(kv)
+        if name not in graphs:
+            try:
+                captured = self._capture(call, self.pool)  # (graph, its static outputs)
+            except Exception as e:
+                raise GraphCaptureError(str(e)) from e
+            self._check_tables()  # the warm-ups may have built the tables: older graphs point at none
+            graphs = self._graphs(kv)
+            graphs[name] = captured
+            self.captures += 1
+        graph, output = graphs[name]
+        graph.replay()
+        return output
+
+    def clear(self) -> None:
+        self._by_buffer.clear()
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._by_buffer)
+
+    def _graphs(self, kv: torch.Tensor) -> dict:
+        # the entry holds kv, so its id cannot be reused by another tensor while the entry lives
+        entry = self._by_buffer.get(id(kv))
+        if entry is None:
+            entry = self._by_buffer[id(kv)] = (kv, {})
+            while len(self._by_buffer) > self.max_buffers:
+                self._by_buffer.popitem(last=False)
+        self._by_buffer.move_to_end(id(kv))
+        return entry[1]
+
+    def _check_tables(self) -> None:
+        tables = _drafter_tables(self.drafter)
+        if not _same(self._tables, tables):
+            self.clear()
+            self._tables = tables
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +311,6 @@ class _ExtendBucket:
     input_ids: torch.Tensor  # [1, B] int64
     hidden: torch.Tensor  # [1, B, W] target features
     start: torch.Tensor  # [1] int64 committed drafter positions
-    graph: object | None = None
-    output: object | None = None  # Eagle3Output of the graph
 
 
 class StaticDrafterExtend(_Bucketed):
@@ -294,7 +353,11 @@ class StaticDrafterExtend(_Bucketed):
                                 hidden=hidden.new_zeros(1, B, hidden.shape[-1]),
                                 start=torch.zeros(1, dtype=torch.int64, device=device))
             self._buckets[B] = buf
+            self._inputs_replaced()
         return buf
+
+    def _inputs_replaced(self) -> None:
+        """New static input buffers (a graph captured over the old ones must not replay)."""
 
     def _call(self, buf: _ExtendBucket, kv: torch.Tensor):
         from .eagle3_static import extension_inputs, static_drafter_forward
@@ -307,38 +370,25 @@ class StaticDrafterExtend(_Bucketed):
 
 
 class DrafterGraphs(StaticDrafterExtend):
-    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use. A graph is
-    bound to one K/V buffer: a new request's buffer (or a grown one) drops every graph, which is
-    recaptured lazily. NOT YET RUN ON A GPU."""
+    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use, per drafter
+    K/V buffer (`DrafterGraphStore`). NOT YET RUN ON A GPU."""
 
     def __init__(self, drafter, buckets: tuple[int, ...]):
         if not drafter.lm_head.weight.is_cuda:
             raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
         super().__init__(drafter, buckets)
-        self.pool = torch.cuda.graph_pool_handle()
-        self._key: tuple | None = None  # what every captured bucket points at (`_drafter_graph_key`)
-        self.captures = 0
+        self.graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
+
+    def _inputs_replaced(self) -> None:
+        self.graphs.clear()
 
     def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
-        if self._key is not None and not _same(self._key, _drafter_graph_key(self.drafter, kv)):
-            for b in self._buckets.values():
-                b.graph, b.output = None, None
-            self._key = None
-        if buf.graph is None:
-            try:
-                # Warm-up writes this extension's keys, which the replay writes again (same inputs).
-                buf.graph, buf.output = _capture_graph(lambda: self._call(buf, kv), self.pool)
-            except Exception as e:
-                raise GraphCaptureError(str(e)) from e
-            key = _drafter_graph_key(self.drafter, kv)  # after the warm-ups: they may build the tables
-            if self._key is not None and not _same(self._key, key):  # the others point at the old ones
-                for b in self._buckets.values():
-                    if b is not buf:
-                        b.graph, b.output = None, None
-            self._key = key
-            self.captures += 1
-        buf.graph.replay()
-        return buf.output
+        # Capture's warm-ups write this extension's keys, which the replay writes again (same inputs).
+        return self.graphs.replay(kv, buf.input_ids.shape[1], lambda: self._call(buf, kv))
 
 
 def make_drafter_runner(kind: str, drafter, buckets: tuple[int, ...]) -> StaticDrafterExtend:
@@ -360,8 +410,6 @@ class _FrontierBuffers:
     rows: torch.Tensor  # [width] int64 0..width-1 (constant)
     write_idx: torch.Tensor  # [width] int64 cache index of each row's key
     visible: torch.Tensor  # [1, width, capacity] bool
-    graph: object | None = None
-    output: object | None = None  # Eagle3Output of the graph
 
 
 class StaticDrafterFrontier:
@@ -377,7 +425,7 @@ class StaticDrafterFrontier:
         if width < 1:
             raise ValueError(f"the frontier width must be >= 1, got {width}")
         self.drafter, self.width = drafter, width
-        self._buf: _FrontierBuffers | None = None
+        self._bufs: dict[int, _FrontierBuffers] = {}  # by buffer capacity (the visibility mask's width)
 
     @torch.no_grad()
     def run(self, kv: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, position: int, start: int,
@@ -403,18 +451,26 @@ class StaticDrafterFrontier:
                             values=out.values[:, :, :F_])
 
     def _buffers(self, kv: torch.Tensor, hidden: torch.Tensor) -> _FrontierBuffers:
-        buf, W = self._buf, self.width
-        if (buf is None or buf.visible.shape[-1] != kv.shape[3] or buf.hidden.shape[-1] != hidden.shape[-1]
-                or buf.hidden.dtype != hidden.dtype or buf.hidden.device != kv.device):
+        W, capacity = self.width, kv.shape[3]
+        some = next(iter(self._bufs.values()), None)
+        if some is not None and (some.hidden.shape[-1] != hidden.shape[-1] or some.hidden.dtype != hidden.dtype
+                                 or some.hidden.device != kv.device):
+            self._bufs.clear()
+            self._inputs_replaced()
+        buf = self._bufs.get(capacity)
+        if buf is None:
             device = kv.device
             rows = torch.arange(W, device=device)
-            buf = self._buf = _FrontierBuffers(
+            buf = self._bufs[capacity] = _FrontierBuffers(
                 hidden=torch.zeros(1, W, hidden.shape[-1], dtype=hidden.dtype, device=device),
                 input_ids=torch.zeros(1, W, dtype=torch.int64, device=device),
                 positions=torch.zeros(1, W, dtype=torch.int64, device=device),
                 rows=rows, write_idx=rows.clone(),
-                visible=torch.zeros(1, W, kv.shape[3], dtype=torch.bool, device=device))
+                visible=torch.zeros(1, W, capacity, dtype=torch.bool, device=device))
         return buf
+
+    def _inputs_replaced(self) -> None:
+        """New static input buffers (a graph captured over the old ones must not replay)."""
 
     @staticmethod
     def _fill(buf: _FrontierBuffers, hidden, input_ids, position: int, start: int, tree_mask) -> None:
@@ -441,31 +497,29 @@ class StaticDrafterFrontier:
 
 
 class DrafterFrontierGraphs(StaticDrafterFrontier):
-    """`StaticDrafterFrontier` captured as ONE CUDA graph (the frontier's fixed width) on first use and
-    replayed for every drafting step after. Bound to one K/V buffer, rope table and set of fused
-    weights: a new request's drafter buffer (or a grown one) recaptures it lazily. NOT YET RUN ON A GPU."""
+    """`StaticDrafterFrontier` captured as ONE CUDA graph (the frontier's fixed width) per drafter K/V
+    buffer on first use (`DrafterGraphStore`) and replayed for every drafting step after. NOT YET
+    RUN ON A GPU."""
 
     def __init__(self, drafter, width: int):
         if not drafter.lm_head.weight.is_cuda:
             raise ValueError("DrafterFrontierGraphs needs a drafter on a CUDA device (use StaticDrafterFrontier on CPU)")
         super().__init__(drafter, width)
-        self.pool = torch.cuda.graph_pool_handle()
-        self._key: tuple | None = None
-        self.captures = 0  # graphs captured so far (one per request buffer)
-        self.replays = 0  # drafting steps run from the graph
+        self.graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
+        self.replays = 0  # drafting steps run from a graph
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
+
+    def _inputs_replaced(self) -> None:
+        self.graphs.clear()
 
     def _execute(self, buf: _FrontierBuffers, kv: torch.Tensor):
-        if buf.graph is None or not _same(self._key, _drafter_graph_key(self.drafter, kv)):
-            try:
-                # The warm-ups write this step's keys, which the replay writes again (same inputs).
-                buf.graph, buf.output = _capture_graph(lambda: self._call(buf, kv), self.pool)
-            except Exception as e:
-                raise GraphCaptureError(str(e)) from e
-            self._key = _drafter_graph_key(self.drafter, kv)  # after the warm-ups: they may build the tables
-            self.captures += 1
-        buf.graph.replay()
+        # Capture's warm-ups write this step's keys, which the replay writes again (same inputs).
+        out = self.graphs.replay(kv, "frontier", lambda: self._call(buf, kv))
         self.replays += 1
-        return buf.output
+        return out
 
 
 def make_frontier_runner(kind: str, drafter, width: int) -> StaticDrafterFrontier:

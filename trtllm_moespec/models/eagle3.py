@@ -22,6 +22,7 @@ lives in `eagle3_draft.py`.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,56 @@ class Eagle3Output:
     values: torch.Tensor  # [B, KVH, T, D]
 
 
+class DrafterKVPool:
+    """Drafter K/V buffers [2, 1, KVH, capacity, D] reused across requests.
+
+    A request's buffer comes back here when its `Eagle3Cache` is garbage-collected (as the target's
+    cache slots do) or when the cache outgrows it, and the next request takes it instead of
+    allocating its own. Why: a CUDA graph of a drafter forward is bound to the buffer it was
+    captured over (`cuda_graphs.DrafterGraphs`, `DrafterFrontierGraphs` keep graphs per buffer), so
+    requests that reuse buffers replay graphs instead of capturing new ones; with one request at a
+    time every request runs on the same buffer.
+    """
+
+    def __init__(self, max_free: int = 8):
+        self.max_free = max_free  # buffers kept for reuse; beyond that the smallest are dropped
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0  # buffers allocated so far (a reused buffer does not count)
+
+    def take(self, length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer of at least `length` positions with K/V shape `like` = (KVH, D): the smallest free
+        one that fits, zeroed (a reused buffer's stale keys are masked out, but zeros keep even a
+        masked product finite), else a new one of max(length, 256) positions."""
+        device = torch.device(device)
+        fits = [kv for kv in self._free if kv.shape[3] >= length and (kv.shape[2], kv.shape[4]) == like
+                and kv.dtype == dtype and kv.device == device]
+        if fits:
+            kv = min(fits, key=lambda t: t.shape[3])
+            self._free = [t for t in self._free if t is not kv]
+            return kv.zero_()
+        self.allocated += 1
+        return torch.zeros(2, 1, like[0], max(length, 256), like[1], dtype=dtype, device=device)
+
+    def give(self, kv: torch.Tensor) -> None:
+        """Return a buffer no cache uses any more."""
+        if all(t is not kv for t in self._free):
+            self._free.append(kv)
+            self._free.sort(key=lambda t: t.shape[3], reverse=True)
+            del self._free[self.max_free:]
+
+
+class _Lease:
+    """The buffer a cache holds, shared with the finalizer that returns it to the pool."""
+
+    def __init__(self):
+        self.kv: torch.Tensor | None = None
+
+    def give_back(self, pool: DrafterKVPool) -> None:
+        if self.kv is not None:
+            pool.give(self.kv)
+            self.kv = None
+
+
 @dataclass
 class Eagle3Cache:
     """Per-request drafter state (mutable; owned by the engine): KV of committed positions
@@ -107,12 +158,15 @@ class Eagle3Cache:
 
     K/V live in one preallocated buffer written in place (no concatenation per step);
     positions past `num_tokens` are scratch space that tree drafting writes its keys to.
+    With a `pool` the buffer is taken from it and returned to it (see `DrafterKVPool`).
     """
 
     kv: torch.Tensor | None = None  # [2, 1, KVH, capacity, D] keys (0) and values (1)
     num_tokens: int = 0  # committed drafter positions S
     last_logits: torch.Tensor | None = None  # [1, V_draft] float32 at position S-1
     last_hidden: torch.Tensor | None = None  # [1, H] pre-norm output at position S-1
+    pool: DrafterKVPool | None = None
+    _lease: _Lease | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -126,12 +180,24 @@ class Eagle3Cache:
     def reserve(self, length: int, num_kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
         """The buffer, grown (doubling, contents kept) to hold `length` positions."""
         if self.kv is None or self.kv.shape[3] < length:
-            capacity = max(length, 256 if self.kv is None else 2 * self.kv.shape[3])
-            kv = torch.zeros(2, 1, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            capacity = length if self.kv is None else max(length, 2 * self.kv.shape[3])
+            if self.pool is None:
+                kv = torch.zeros(2, 1, num_kv_heads, max(capacity, 256), head_dim, dtype=dtype, device=device)
+            else:
+                kv = self.pool.take(capacity, (num_kv_heads, head_dim), dtype, device)
             if self.kv is not None:
-                kv[:, :, :, :self.kv.shape[3]] = self.kv
-            self.kv = kv
+                kv[:, :, :, :self.num_tokens] = self.kv[:, :, :, :self.num_tokens]
+            self._hold(kv)
         return self.kv
+
+    def _hold(self, kv: torch.Tensor) -> None:
+        if self.pool is not None:
+            if self._lease is None:
+                self._lease = _Lease()
+                weakref.finalize(self, self._lease.give_back, self.pool)
+            self._lease.give_back(self.pool)  # the outgrown buffer, if any
+            self._lease.kv = kv
+        self.kv = kv
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -231,6 +297,7 @@ class Eagle3Drafter(nn.Module):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D]
         self._fused: _FusedWeights | None = None  # inference weights, built on first use (_fused_weights)
         self._rope_signed_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (source cos table, [P, 2, 1, D])
+        self.kv_pool = DrafterKVPool()  # per-request K/V buffers, reused across requests
 
     # ------------------------------------------------------------------ network
     def forward(
@@ -450,7 +517,8 @@ class Eagle3Drafter(nn.Module):
 
     # -------------------------------------------------------- per-request cache
     def new_cache(self) -> Eagle3Cache:
-        return Eagle3Cache()
+        """A request's drafter cache, its K/V buffer taken from (and returned to) the drafter's pool."""
+        return Eagle3Cache(pool=self.kv_pool)
 
     @torch.no_grad()
     def extend(self, cache: Eagle3Cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:

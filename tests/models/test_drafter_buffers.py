@@ -1,0 +1,167 @@
+"""Drafter K/V buffers reused across requests (`eagle3.DrafterKVPool`) and the drafter's CUDA graphs
+kept per buffer (`cuda_graphs.DrafterGraphStore`): a reused buffer drafts exactly what a fresh one
+does, a finished request's buffer goes to the next request, and graphs are captured once per buffer.
+The graph store's bookkeeping runs here with a stand-in for CUDA capture (this machine has no GPU;
+`tests/engine/test_cuda_engine.py` checks real capture and replay)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from trtllm_moespec.models.cuda_graphs import DrafterGraphStore, StaticDrafterFrontier
+from trtllm_moespec.models.eagle3 import DrafterKVPool, Eagle3Cache, load_eagle3, write_random_drafter
+from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+from trtllm_moespec.models.target import TargetModel
+
+from .conftest import build_hf, qwen3_moe_config
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    target = TargetModel(build_hf(qwen3_moe_config(), seed=11))
+    path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3b"), seed=3, draft_vocab_size=96,
+                                with_embeddings=False, init_std=0.2)
+    return load_eagle3(path, target=target)
+
+
+def _extend(drafter, cache, n: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    drafter.extend(cache, torch.randint(0, 128, (1, n), generator=gen),
+                   torch.randn(1, n, drafter.fc.in_features, generator=gen))
+
+
+def _shape(drafter) -> tuple[int, int]:
+    a = drafter.midlayer.self_attn
+    return a.num_kv_heads, a.head_dim
+
+
+def test_a_finished_request_hands_its_buffer_to_the_next(drafter):
+    drafter.kv_pool = DrafterKVPool()
+    cache = drafter.new_cache()
+    _extend(drafter, cache, 20, seed=0)
+    first = cache.kv
+    del cache
+    gc.collect()
+    cache = drafter.new_cache()
+    _extend(drafter, cache, 30, seed=1)
+    assert cache.kv is first and drafter.kv_pool.allocated == 1
+    other = drafter.new_cache()  # a request alive beside it gets a buffer of its own
+    _extend(drafter, other, 5, seed=2)
+    assert other.kv is not first and drafter.kv_pool.allocated == 2
+
+
+def test_growing_keeps_the_committed_keys_and_returns_the_outgrown_buffer(drafter):
+    drafter.kv_pool = pool = DrafterKVPool()
+    cache = drafter.new_cache()
+    _extend(drafter, cache, 200, seed=0)
+    small, keys = cache.kv, cache.keys.clone()
+    _extend(drafter, cache, 100, seed=1)  # 300 positions: past the first buffer's 256
+    assert cache.kv is not small and cache.kv.shape[3] >= 300
+    assert torch.equal(cache.keys[:, :, :200], keys)
+    assert pool.take(10, _shape(drafter), small.dtype, small.device) is small  # the pool got it back
+
+
+def test_a_reused_buffer_drafts_what_a_fresh_buffer_drafts(drafter):
+    """A reused buffer holds the previous request's keys (zeroed when taken); the tree drafted over
+    it, eagerly and through the static frontier forward that attends over the whole buffer, equals
+    the tree drafted over a buffer of its own."""
+    drafter.kv_pool = DrafterKVPool()
+    dirty = drafter.new_cache()
+    _extend(drafter, dirty, 120, seed=0)
+    draft_eagle3_tree(drafter, dirty, steps=4, topk=4)  # tree keys written past the committed ones too
+    del dirty
+    gc.collect()
+    reused, fresh = drafter.new_cache(), Eagle3Cache()
+    for cache in (reused, fresh):
+        _extend(drafter, cache, 40, seed=1)
+    assert drafter.kv_pool.allocated == 1 and fresh.pool is None
+    for runner in (None, StaticDrafterFrontier(drafter, 4)):
+        a = draft_eagle3_tree(drafter, reused, steps=4, topk=4, frontier_runner=runner)
+        b = draft_eagle3_tree(drafter, fresh, steps=4, topk=4, frontier_runner=runner)
+        assert torch.equal(a.tree.token_ids, b.tree.token_ids) and torch.equal(a.tree.parents, b.tree.parents)
+        assert torch.equal(a.tree.scores, b.tree.scores)
+
+
+def test_the_pool_hands_out_the_smallest_fitting_buffer_and_keeps_a_bounded_number():
+    pool = DrafterKVPool(max_free=2)
+    bufs = [pool.take(n, (2, 8), torch.float32, "cpu") for n in (100, 600, 1200)]
+    assert [b.shape[3] for b in bufs] == [256, 600, 1200]
+    bufs[1].fill_(1.0)
+    for b in bufs:
+        pool.give(b)
+    got = pool.take(300, (2, 8), torch.float32, "cpu")
+    assert got is bufs[1] and not got.any()  # smallest that fits, zeroed
+    assert pool.take(10, (2, 8), torch.float32, "cpu") is bufs[2]  # the 256 one was dropped (max_free=2)
+    assert pool.take(10, (2, 8), torch.float64, "cpu").dtype == torch.float64  # never another dtype or shape
+    assert pool.allocated == 4
+
+
+class _StandInCapture:
+    """Records captures; its 'graph' replays by calling the function again (what a CUDA graph
+    replay amounts to for these inputs)."""
+
+    def __init__(self, on_capture=None):
+        self.calls, self.on_capture = 0, on_capture
+
+    def __call__(self, call, pool):
+        self.calls += 1
+        if self.on_capture is not None:
+            self.on_capture()
+
+        class Graph:
+            def replay(self):
+                call()
+        return Graph(), call()
+
+
+def test_graphs_are_captured_once_per_buffer_and_replayed_after(drafter):
+    capture = _StandInCapture()
+    store = DrafterGraphStore(drafter, pool=None, capture=capture)
+    a, b = torch.zeros(3), torch.zeros(3)
+    for kv in (a, b, a, b, a):  # two live requests, drafting in turn
+        store.replay(kv, "frontier", lambda kv=kv: kv.add_(1))
+    assert capture.calls == 2 and store.captures == 2 and store.num_buffers == 2
+    assert a.tolist() == [4.0] * 3 and b.tolist() == [3.0] * 3  # the stand-in's capture call, then a replay per use
+    store.replay(a, 4, lambda: None)  # another graph name over the same buffer
+    assert store.captures == 3 and store.num_buffers == 2
+
+
+def test_graphs_go_when_the_drafter_tables_change_or_buffers_pass_the_limit(drafter):
+    capture = _StandInCapture()
+    store = DrafterGraphStore(drafter, pool=None, max_buffers=2, capture=capture)
+    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    for kv in (a, b, c):
+        store.replay(kv, "frontier", lambda: None)
+    assert store.num_buffers == 2  # `a`'s graphs dropped (least recently used)
+    store.replay(a, "frontier", lambda: None)
+    assert capture.calls == 4
+    fused = drafter._fused
+    drafter._fused = None  # new fused weights (reloaded weights): every graph points at the old ones
+    try:
+        store.replay(a, "frontier", lambda: None)
+        assert capture.calls == 5 and store.num_buffers == 1
+    finally:
+        drafter._fused = fused
+
+
+def test_tables_built_by_the_first_capture_drop_the_graphs_captured_before(drafter):
+    """A capture's warm-up may build the drafter's tables (its first forward): graphs captured
+    earlier point at the old ones and must not replay."""
+    fused = drafter._fused
+    drafter._fused = None
+    capture = _StandInCapture()
+    store = DrafterGraphStore(drafter, pool=None, capture=capture)
+    a = torch.zeros(1)
+    try:
+        store.replay(a, 1, lambda: None)
+        capture.on_capture = lambda: setattr(drafter, "_fused", fused)  # the next capture builds the table
+        store.replay(a, 2, lambda: None)
+        store.replay(a, 1, lambda: None)
+        assert capture.calls == 3  # graph 1 recaptured over the new table
+        store.replay(a, 2, lambda: None)
+        assert capture.calls == 3
+    finally:
+        drafter._fused = fused
