@@ -15,7 +15,11 @@ One run measures one source tree (whatever `trtllm_moespec` imports). To compare
 (interleaved, so machine drift hits both alike) and ratios new/other are printed.
 
     python -m benchmarks.bench_drafter [--rounds 3] [--reps 30] [--context 200] [--compare OTHER_ROOT]
-        [--draft-model DIR] [--json PATH]
+        [--draft-model DIR] [--compile] [--json PATH]
+
+`--compile` compares, the same way, the eager drafter with its forward compiled by `torch.compile`
+(dynamic shapes; the issue-12 question whether compiling the drafter pays on CPU): variants
+"eager" and "compiled" of this tree, ratios compiled/eager.
 
 `--context 2000` measures drafting at long context (the drafter attends to every committed position;
 context + tokens must stay within what the model's positions allow).
@@ -51,20 +55,25 @@ def _best_of(fn, reps: int) -> float:
 
 
 def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | None = None,
-            context: int = CONTEXT) -> dict:
+            context: int = CONTEXT, compiled: bool = False) -> dict:
     """The parts' times in this process (see the module docstring); draft_model: a drafter directory
-    (default: moespec-tiny's shipped one)."""
+    (default: moespec-tiny's shipped one); compiled: the drafter's inference forward through
+    `torch.compile(dynamic=True)` (compiled during the warm-up generation, not timed)."""
     from trtllm_moespec import LLM, SamplingParams, TreeConfig
 
     torch.set_num_threads(1)
     llm = LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(steps, topk, 32), draft_model=draft_model)
     drafter = llm.engine.draft_source.drafter
+    if compiled:  # an instance attribute: this process's drafter only
+        drafter._forward_fused = torch.compile(drafter._forward_fused, dynamic=True)
     text = Path(os.__file__).read_text()
     ids = llm.encode([text * (1 + context // 1000)])[0][:context]  # os.py is ~10k tokens; repeat if asked more
     if len(ids) < context:
         raise SystemExit(f"--context {context}: the prompt text has only {len(ids)} tokens")
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    llm.generate([ids], params)  # warm-up
+    llm.generate([ids], params)  # warm-up (and, compiled, the compilation of the shapes a step meets)
+    if compiled:
+        llm.generate([ids], params)
     forward, fwd_s, calls = type(drafter).forward, [0.0], [0]
 
     def timed_forward(*a, **k):  # the drafter forwards' share of the step (benchmark instrumentation only)
@@ -124,14 +133,14 @@ def measure(reps: int, tokens: int, steps: int, topk: int, draft_model: str | No
                 draft_vocab_size=drafter.config.draft_vocab_size)
 
 
-def _run_in(root: Path, args) -> dict:
+def _run_in(root: Path, args, compiled: bool = False) -> dict:
     """`measure` in a fresh process importing trtllm_moespec from `root`."""
     draft = None if args.draft_model is None else str(args.draft_model.resolve())
     code = ("import importlib.util, json\n"  # this file's measure(), the package from `root`
             f"spec = importlib.util.spec_from_file_location('bench_drafter', {str(Path(__file__).resolve())!r})\n"
             "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
             f"print(json.dumps(mod.measure({args.reps}, {args.tokens}, {args.steps}, {args.topk}, {draft!r}, "
-            f"{args.context})))\n")
+            f"{args.context}, {compiled})))\n")
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(root))
     if out.returncode:
@@ -149,15 +158,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=CONTEXT, help="prompt tokens (drafting cost grows with them)")
     ap.add_argument("--compare", type=Path, default=None, help="another source root to interleave with")
     ap.add_argument("--draft-model", type=Path, default=None, help="drafter directory for both trees")
+    ap.add_argument("--compile", action="store_true", help="compare the eager drafter with a torch.compile'd one")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     here = Path(__file__).resolve().parent.parent
-    roots = {"new": here} if args.compare is None else {"new": here, "other": args.compare.resolve()}
-    runs = {name: [] for name in roots}
+    if args.compile and args.compare is not None:
+        raise SystemExit("--compile compares two variants of this tree: it does not combine with --compare")
+    if args.compile:  # (root, compiled) per variant; "new"/"other" keep the ratio code below
+        variants = {"new": (here, True), "other": (here, False)}
+    elif args.compare is None:
+        variants = {"new": (here, False)}
+    else:
+        variants = {"new": (here, False), "other": (args.compare.resolve(), False)}
+    runs = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, root in roots.items():
-            runs[name].append(_run_in(root, args))
-    result = {"load_average": os.getloadavg()[0], "rounds": args.rounds, "reps": args.reps, "context": args.context}
+        for name, (root, compiled) in variants.items():
+            runs[name].append(_run_in(root, args, compiled))
+    result = {"load_average": os.getloadavg()[0], "rounds": args.rounds, "reps": args.reps, "context": args.context,
+              "variants": {"new": "compiled", "other": "eager"} if args.compile else None}
     for name, rows in runs.items():
         result[name] = {k: statistics.median(r[k] for r in rows) for k in KEYS}
         result[name]["mean_accepted_tokens"] = rows[0]["mean_accepted_tokens"]

@@ -22,6 +22,7 @@ lives in `eagle3_draft.py`.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,7 @@ class DrafterKVPool:
     def __init__(self, max_free: int = 8):
         self.max_free = max_free  # buffers kept for reuse; beyond that the smallest are dropped
         self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # a finalizer may return a buffer from another thread (a server's)
         self.allocated = 0  # buffers allocated so far (a reused buffer does not count)
 
     def take(self, length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
@@ -122,21 +124,26 @@ class DrafterKVPool:
         one that fits, zeroed (a reused buffer's stale keys are masked out, but zeros keep even a
         masked product finite), else a new one of max(length, 256) positions."""
         device = torch.device(device)
-        fits = [kv for kv in self._free if kv.shape[3] >= length and (kv.shape[2], kv.shape[4]) == like
-                and kv.dtype == dtype and kv.device == device]
-        if fits:
-            kv = min(fits, key=lambda t: t.shape[3])
-            self._free = [t for t in self._free if t is not kv]
+        with self._lock:
+            fits = [kv for kv in self._free if kv.shape[3] >= length and (kv.shape[2], kv.shape[4]) == like
+                    and kv.dtype == dtype and kv.device == device]
+            if fits:
+                kv = min(fits, key=lambda t: t.shape[3])
+                self._free = [t for t in self._free if t is not kv]
+            else:
+                kv = None
+                self.allocated += 1
+        if kv is not None:
             return kv.zero_()
-        self.allocated += 1
         return torch.zeros(2, 1, like[0], max(length, 256), like[1], dtype=dtype, device=device)
 
     def give(self, kv: torch.Tensor) -> None:
         """Return a buffer no cache uses any more."""
-        if all(t is not kv for t in self._free):
-            self._free.append(kv)
-            self._free.sort(key=lambda t: t.shape[3], reverse=True)
-            del self._free[self.max_free:]
+        with self._lock:
+            if all(t is not kv for t in self._free):
+                self._free.append(kv)
+                self._free.sort(key=lambda t: t.shape[3], reverse=True)
+                del self._free[self.max_free:]
 
 
 class _Lease:
