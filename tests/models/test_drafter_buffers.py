@@ -85,18 +85,22 @@ def test_a_reused_buffer_drafts_what_a_fresh_buffer_drafts(drafter):
         assert torch.equal(a.tree.scores, b.tree.scores)
 
 
-def test_the_pool_hands_out_the_smallest_fitting_buffer_and_keeps_a_bounded_number():
-    pool = DrafterKVPool(max_free=2)
+def test_the_pool_hands_out_the_smallest_fitting_buffer_and_keeps_what_the_busiest_moment_used():
+    pool = DrafterKVPool()
     bufs = [pool.take(n, (2, 8), torch.float32, "cpu") for n in (100, 600, 1200)]
-    assert [b.shape[3] for b in bufs] == [256, 600, 1200]
+    assert [b.shape[3] for b in bufs] == [256, 600, 1200] and pool.peak == 3
     bufs[1].fill_(1.0)
     for b in bufs:
         pool.give(b)
     got = pool.take(300, (2, 8), torch.float32, "cpu")
-    assert got is bufs[1] and not got.any()  # smallest that fits, zeroed
-    assert pool.take(10, (2, 8), torch.float32, "cpu") is bufs[2]  # the 256 one was dropped (max_free=2)
+    assert got is bufs[1] and not got.any()  # the smallest that fits, zeroed
     assert pool.take(10, (2, 8), torch.float64, "cpu").dtype == torch.float64  # never another dtype or shape
-    assert pool.allocated == 4
+    assert pool.allocated == 4 and pool.peak == 3 and pool.in_use == 2
+    extra = pool.take(2000, (2, 8), torch.float32, "cpu")  # nothing free fits: a fifth buffer, a third in use
+    for b in (got, extra):
+        pool.give(b)
+    assert pool.in_use == 1 and len(pool._free) == 3  # at most `peak` kept: the smallest (256) went
+    assert all(b.shape[3] >= 600 for b in pool._free)
 
 
 class _StandInCapture:
@@ -129,20 +133,23 @@ def test_graphs_are_captured_once_per_buffer_and_replayed_after(drafter):
     assert store.captures == 3 and store.num_buffers == 2
 
 
-def test_graphs_go_when_the_drafter_tables_change_or_buffers_pass_the_limit(drafter):
+def test_graphs_go_with_their_buffer_or_when_the_drafter_tables_change(drafter):
     capture = _StandInCapture()
-    store = DrafterGraphStore(drafter, pool=None, max_buffers=2, capture=capture)
-    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
-    for kv in (a, b, c):
+    store = DrafterGraphStore(drafter, pool=None, capture=capture)
+    a, b = torch.zeros(1), torch.zeros(1)
+    for kv in (a, b):
         store.replay(kv, "frontier", lambda: None)
-    assert store.num_buffers == 2  # `a`'s graphs dropped (least recently used)
-    store.replay(a, "frontier", lambda: None)
-    assert capture.calls == 4
+    del b, kv  # a freed buffer's memory may be reused: its graphs must never replay
+    gc.collect()
+    assert store.num_buffers == 1
+    c = torch.zeros(1)
+    store.replay(c, "frontier", lambda: None)
+    assert capture.calls == 3 and store.num_buffers == 2
     fused = drafter._fused
     drafter._fused = None  # new fused weights (reloaded weights): every graph points at the old ones
     try:
         store.replay(a, "frontier", lambda: None)
-        assert capture.calls == 5 and store.num_buffers == 1
+        assert capture.calls == 4 and store.num_buffers == 1
     finally:
         drafter._fused = fused
 

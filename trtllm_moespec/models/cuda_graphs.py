@@ -32,7 +32,7 @@ own; the buckets are a power-of-two ladder capped by the tree's largest verify
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -248,16 +248,17 @@ class DrafterGraphStore:
     """A drafter runner's captured graphs, kept per K/V buffer: a graph writes its keys into the
     buffer it was captured over, so each buffer needs its own. Buffers are reused across requests
     (`eagle3.DrafterKVPool`), so a sequence of requests replays the graphs of one buffer and a batch
-    of B requests those of B buffers, each captured once. The graphs of at most `max_buffers`
-    buffers are kept (least recently used dropped); every graph goes when the drafter's tables are
-    replaced (`_drafter_tables`) or the runner's static inputs are (`clear`). `capture` is
-    `_capture_graph` (CUDA); tests of this bookkeeping pass a stand-in."""
+    of B requests those of B buffers, each captured once. A buffer's graphs go when the buffer is
+    freed (the store holds it weakly: its memory may then be reused, and a graph must never write
+    into it again); every graph goes when the drafter's tables are replaced (`_drafter_tables`) or
+    the runner's static inputs are (`clear`). `capture` is `_capture_graph` (CUDA); tests of this
+    bookkeeping pass a stand-in."""
 
-    def __init__(self, drafter, pool, max_buffers: int = 8, capture=None):
-        self.drafter, self.pool, self.max_buffers = drafter, pool, max_buffers
+    def __init__(self, drafter, pool, capture=None):
+        self.drafter, self.pool = drafter, pool
         self._capture = capture or _capture_graph
         self._tables: tuple | None = None
-        self._by_buffer: OrderedDict[int, tuple[torch.Tensor, dict]] = OrderedDict()  # id(kv) -> (kv, graphs)
+        self._by_buffer: dict[int, tuple[weakref.ref, dict]] = {}  # id(kv) -> (weak kv, name -> (graph, out))
         self.captures = 0
 
     def replay(self, kv: torch.Tensor, name, call):
@@ -286,13 +287,15 @@ class DrafterGraphStore:
         return len(self._by_buffer)
 
     def _graphs(self, kv: torch.Tensor) -> dict:
-        # the entry holds kv, so its id cannot be reused by another tensor while the entry lives
-        entry = self._by_buffer.get(id(kv))
-        if entry is None:
-            entry = self._by_buffer[id(kv)] = (kv, {})
-            while len(self._by_buffer) > self.max_buffers:
-                self._by_buffer.popitem(last=False)
-        self._by_buffer.move_to_end(id(kv))
+        key = id(kv)
+        entry = self._by_buffer.get(key)
+        if entry is None or entry[0]() is not kv:
+            entries = self._by_buffer
+
+            def forget(_ref, key=key):  # kv is being freed: its graphs go with it
+                if key in entries and entries[key][0] is _ref:
+                    del entries[key]
+            entry = self._by_buffer[key] = (weakref.ref(kv, forget), {})
         return entry[1]
 
     def _check_tables(self) -> None:

@@ -108,16 +108,19 @@ class DrafterKVPool:
     A request's buffer comes back here when its `Eagle3Cache` is garbage-collected (as the target's
     cache slots do) or when the cache outgrows it, and the next request takes it instead of
     allocating its own. Why: a CUDA graph of a drafter forward is bound to the buffer it was
-    captured over (`cuda_graphs.DrafterGraphs`, `DrafterFrontierGraphs` keep graphs per buffer), so
-    requests that reuse buffers replay graphs instead of capturing new ones; with one request at a
-    time every request runs on the same buffer.
+    captured over (`cuda_graphs.DrafterGraphStore` keeps graphs per buffer, as long as the buffer
+    lives), so requests that reuse buffers replay graphs instead of capturing new ones; with one
+    request at a time every request runs on the same buffer. The pool keeps as many free buffers
+    as were ever in use at once (the engine's concurrency so far), so memory stays what the busiest
+    moment needed.
     """
 
-    def __init__(self, max_free: int = 8):
-        self.max_free = max_free  # buffers kept for reuse; beyond that the smallest are dropped
+    def __init__(self):
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()  # a finalizer may return a buffer from another thread (a server's)
         self.allocated = 0  # buffers allocated so far (a reused buffer does not count)
+        self.in_use = 0  # buffers taken and not given back
+        self.peak = 0  # the most buffers in use at once
 
     def take(self, length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer of at least `length` positions with K/V shape `like` = (KVH, D): the smallest free
@@ -127,12 +130,13 @@ class DrafterKVPool:
         with self._lock:
             fits = [kv for kv in self._free if kv.shape[3] >= length and (kv.shape[2], kv.shape[4]) == like
                     and kv.dtype == dtype and kv.device == device]
-            if fits:
-                kv = min(fits, key=lambda t: t.shape[3])
+            kv = min(fits, key=lambda t: t.shape[3]) if fits else None
+            if kv is not None:
                 self._free = [t for t in self._free if t is not kv]
             else:
-                kv = None
                 self.allocated += 1
+            self.in_use += 1
+            self.peak = max(self.peak, self.in_use)
         if kv is not None:
             return kv.zero_()
         return torch.zeros(2, 1, like[0], max(length, 256), like[1], dtype=dtype, device=device)
@@ -140,10 +144,10 @@ class DrafterKVPool:
     def give(self, kv: torch.Tensor) -> None:
         """Return a buffer no cache uses any more."""
         with self._lock:
-            if all(t is not kv for t in self._free):
-                self._free.append(kv)
-                self._free.sort(key=lambda t: t.shape[3], reverse=True)
-                del self._free[self.max_free:]
+            self.in_use -= 1
+            self._free.append(kv)
+            self._free.sort(key=lambda t: t.shape[3], reverse=True)
+            del self._free[self.peak:]  # beyond the busiest moment's count, the smallest go
 
 
 class _Lease:
