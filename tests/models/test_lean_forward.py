@@ -98,6 +98,48 @@ def test_static_cache_slots_are_reused_and_capacity_grows():
     assert cache.acquire() == a
 
 
+def test_the_lowest_free_slot_goes_first_so_slots_in_use_stay_a_block():
+    cache = StaticKVCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=4, num_slots=4)
+    slots = [cache.acquire() for _ in range(4)]
+    assert slots == [0, 1, 2, 3]
+    for s in (2, 0, 3):  # requests finish in any order
+        cache.release(s)
+    assert [cache.acquire() for _ in range(3)] == [0, 2, 3]  # the block 0..3 is whole again
+
+
+def test_a_batch_in_any_slot_order_reads_views_and_returns_outputs_in_its_own_order(saved_qwen, monkeypatch):
+    """verify_batch runs its rows in slot order, so a consecutive block of slots is read as one view
+    (no gather of every request's K/V), and hands each caller's output back in the caller's order."""
+    from trtllm_moespec.core.layout import root_layout
+    from trtllm_moespec.engine.batch import verify_batch
+    from trtllm_moespec.models import lean_forward
+
+    _, model = saved_qwen
+    target = TargetModel(model, model_impl="lean")
+    prompts = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 6)]
+    caches = [target.new_cache() for _ in prompts]
+    alone = [target.new_cache() for _ in prompts]
+    for c, a, p in zip(caches, alone, prompts):
+        target.prefill(c, p)
+        target.prefill(a, p)
+    gathers = []
+    original = lean_forward._HostIndexedIO.write_and_read
+
+    def spy(self, *args):
+        keys, values = original(self, *args)
+        gathers.append(keys._base is None)  # a gather makes a new tensor, a view has a base
+        return keys, values
+    monkeypatch.setattr(lean_forward._HostIndexedIO, "write_and_read", spy)
+    shuffled = [2, 0, 1]  # callers' order differs from slot order
+    layouts = [root_layout(torch.tensor([3 + b])) for b in shuffled]
+    outs = verify_batch(target, [caches[b] for b in shuffled], layouts)
+    assert gathers and not any(gathers)
+    for out, b, layout in zip(outs, shuffled, layouts):
+        ref = target.verify(alone[b], layout)
+        torch.testing.assert_close(out.logits, ref.logits, atol=2e-5, rtol=0)
+        assert torch.equal(out.expert_ids, ref.expert_ids)
+
+
 def test_lean_requests_release_their_slots(saved_qwen):
     _, model = saved_qwen
     target = TargetModel(model, model_impl="lean")

@@ -356,6 +356,10 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
 
     for c, layout in zip(caches, layouts):
         target._check_ready(c, layout.token_ids)
+    # The forward runs its rows in slot order: a consecutive block of slots is then read as one view
+    # of the cache instead of a gather of every request's K/V (see `StaticKVCache.acquire`).
+    order = sorted(range(len(caches)), key=lambda b: caches[b].slot)
+    caches, layouts = [caches[b] for b in order], [layouts[b] for b in order]
     prefix_lens = tuple(c.num_tokens for c in caches)
     if all(layout.num_positions == 1 for layout in layouts):  # a plain batch: the roots at their positions
         input_ids = torch.cat([layout.token_ids for layout in layouts])
@@ -368,12 +372,12 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
                          slots=tuple(c.slot for c in caches), prefix_lens=prefix_lens,
                          tree_mask=None if tree_mask is None else tree_mask.to(target.device), logits_to_keep=0)
     out = lean.forward(caches[0].kv, batch)
-    outputs = []
-    for b, (c, layout) in enumerate(zip(caches, layouts)):
+    outputs: list[TargetOutput | None] = [None] * len(order)
+    for row, (b, c, layout) in enumerate(zip(order, caches, layouts)):
         T = layout.num_positions
         c.num_pending = T
-        outputs.append(TargetOutput(logits=out.logits[b:b + 1, :T], hidden=out.hidden[b:b + 1, :T],
-                                    expert_ids=out.expert_ids[b:b + 1, :T]))
+        outputs[b] = TargetOutput(logits=out.logits[row:row + 1, :T], hidden=out.hidden[row:row + 1, :T],
+                                  expert_ids=out.expert_ids[row:row + 1, :T])
     return outputs
 
 

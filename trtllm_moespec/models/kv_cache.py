@@ -52,11 +52,17 @@ class StaticKVCache:
 
     # ------------------------------------------------------------------ slots
     def acquire(self, owner: object | None = None) -> int:
-        """A free slot id (the pool grows when all are taken). With `owner`, the slot is
-        released automatically when `owner` is garbage-collected."""
+        """The lowest free slot id (the pool grows when all are taken). With `owner`, the slot is
+        released automatically when `owner` is garbage-collected.
+
+        Lowest first keeps the slots in use a consecutive block 0..B-1 whenever a freed slot is
+        taken again, whatever order requests finish in: a batched forward then reads its K/V as
+        one view of that block instead of gathering (copying) every request's cache each step
+        (`lean_forward._HostIndexedIO`; the batch is ordered by slot, `engine.batch.verify_batch`)."""
         if not self._free:
             self._grow(slots=2 * self.num_slots)
-        slot = self._free.pop()
+        slot = min(self._free)
+        self._free.remove(slot)
         if owner is not None:
             weakref.finalize(owner, self._release_ref(), slot)
         return slot

@@ -1,0 +1,98 @@
+"""Batch steps without the server: how the batched engine's decode steps scale with batch size, and
+what the batch policies' guarded plain steps cost beside `ar`'s (issue 14's numbers, engine only).
+
+For each method and batch size B, B greedy requests (the same prompt, cut to slightly different
+lengths) are admitted together and decoded to `--tokens` new tokens; the time per batch step after
+the prefill step is the median over `--repeats` runs, methods interleaved per repeat. The prefill of a
+request is timed too: under a serving load each arriving request is prefilled alone between batch
+steps (`benchmarks/bench_serve.py` includes that, this benchmark does not).
+
+    python -m benchmarks.bench_batch_steps [--batch-sizes 1,2,4,8] [--methods ar,joint,joint-batch,evict-batch]
+        [--tokens 128] [--repeats 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.bench_engine import PROMPT
+
+POLICY = {"ar": "ar", "joint": "joint", "joint-batch": "joint", "evict-batch": "evict"}
+
+
+def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int]:
+    """(ms per batch step after the prefill step, speculative steps) of one batch decoded to the end."""
+    requests = [llm.make_request(ids[:len(ids) - batch + i + 1], params) for i in range(batch)]
+    for r in requests:
+        engine.add(r)
+    engine.step()  # the prefills and first tokens
+    t0, steps = time.perf_counter(), 0
+    while engine.num_active:
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps)
+
+
+def main(argv=None) -> dict:
+    from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec.engine.batch import BatchedEngine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--methods", default="ar,joint,joint-batch,evict-batch")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    methods = args.methods.split(",")
+    if "ar" not in methods or any(m not in POLICY for m in methods):
+        raise SystemExit(f"--methods: a comma list of {', '.join(POLICY)} including ar")
+    llms = {p: LLM("moespec-tiny", policy=p) for p in {POLICY[m] for m in methods}}
+    ids = llms["ar"].encode([PROMPT])[0]
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    engines = {(m, b): BatchedEngine(llms[POLICY[m]].engine, b, batch_policy=m if m.endswith("-batch") else None)
+               for m in methods for b in sizes}
+    for (m, b), engine in engines.items():  # warm-up (and each guard's first measurements)
+        _run(llms[POLICY[m]], engine, ids, b, params)
+    rows = {key: [] for key in engines}
+    for _ in range(args.repeats):  # interleaved: machine drift hits every cell alike
+        for (m, b), engine in engines.items():
+            rows[m, b].append(_run(llms[POLICY[m]], engine, ids, b, params))
+    step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
+    prefill = []
+    for _ in range(20):
+        cache = llms["ar"].target.new_cache()
+        t0 = time.perf_counter()
+        llms["ar"].target.prefill(cache, torch.tensor([ids[-96:]]))
+        prefill.append((time.perf_counter() - t0) * 1e3)
+        del cache
+    result = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
+              "prefill_96_ms": statistics.median(prefill), "cells": []}
+    print(f"prefill of a 96-token prompt: {result['prefill_96_ms']:.2f} ms")
+    for m in methods:
+        for b in sizes:
+            cell = {"method": m, "batch": b, "step_ms": step_ms[m, b],
+                    "tokens_per_s": b * 1e3 / step_ms[m, b],
+                    "vs_ar": step_ms["ar", b] / step_ms[m, b],
+                    "vs_batch_1": (b / step_ms[m, b]) / (1 / step_ms[m, sizes[0]]) if sizes[0] == 1 else None,
+                    "speculative_steps": sum(r[1] for r in rows[m, b])}
+            result["cells"].append(cell)
+            print(f"{m:12s} B={b}  {cell['step_ms']:.3f} ms/step  {cell['tokens_per_s']:7.1f} tok/s  "
+                  f"x ar {cell['vs_ar']:.3f}" + (f"  x B=1 {cell['vs_batch_1']:.2f}" if cell["vs_batch_1"] else "")
+                  + f"  speculative steps {cell['speculative_steps']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
