@@ -3,12 +3,12 @@ what the batch policies' guarded plain steps cost beside `ar`'s (issue 14's numb
 
 For each method and batch size B, B greedy requests (the same prompt, cut to slightly different
 lengths) are admitted together and decoded to `--tokens` new tokens; the time per batch step after
-the prefill step is the median over `--repeats` runs, methods interleaved per repeat. The prefill of a
+the prefill step is the median over `--repeats` runs, interleaved (every other repeat in reverse order). The prefill of a
 request is timed too: under a serving load each arriving request is prefilled alone between batch
 steps (`benchmarks/bench_serve.py` includes that, this benchmark does not).
 
     python -m benchmarks.bench_batch_steps [--batch-sizes 1,2,4,8] [--methods ar,joint,joint-batch,evict-batch]
-        [--tokens 128] [--repeats 5] [--json PATH]
+        [--tokens 128] [--repeats 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--methods", default="ar,joint,joint-batch,evict-batch")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -63,9 +63,10 @@ def main(argv=None) -> dict:
     for (m, b), engine in engines.items():  # warm-up (and each guard's first measurements)
         _run(llms[POLICY[m]], engine, ids, b, params)
     rows = {key: [] for key in engines}
-    for _ in range(args.repeats):  # interleaved: machine drift hits every cell alike
-        for (m, b), engine in engines.items():
-            rows[m, b].append(_run(llms[POLICY[m]], engine, ids, b, params))
+    cells = list(engines)
+    for repeat in range(args.repeats):  # interleaved, every other repeat in reverse: drift hits every cell alike
+        for m, b in cells if repeat % 2 == 0 else cells[::-1]:
+            rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
     step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
     prefill = []
     for _ in range(20):
