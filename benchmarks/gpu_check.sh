@@ -11,7 +11,8 @@
 # measurements, so the whole script stays under 6 minutes (the batch sweep, last, skips the batch sizes it
 # cannot start 30 s before MEASURE_TIMEOUT). Exit status 1 if a test, a measurement or the sweep's exactness check fails.
 # Nothing is installed from the network: the project is used in place through PYTHONPATH
-# (the GPU machine already has torch, triton and transformers).
+# (the GPU machine already has torch, triton and transformers). The CUDA tests need pytest: where the
+# machine has none, runs/gpu_deps (made here by `bash benchmarks/gpu_deps.sh`, carried along) is used.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/runs/gpu_check}"
@@ -33,6 +34,11 @@ run_tests() {  # name, then pytest arguments; writes $OUT/tests_<name>.txt and k
 }
 
 echo "== gpu check ${SMOKE:-(full)} -> $OUT"
+if ! "$PY" -c "import pytest" 2>/dev/null && [[ -d "$ROOT/runs/gpu_deps" ]]; then
+  export PYTHONPATH="$PYTHONPATH:$ROOT/runs/gpu_deps"  # appended: nothing of the machine's own is shadowed
+  echo "pytest from runs/gpu_deps"
+fi
+"$PY" -c "import pytest" 2>/dev/null || echo "no pytest here: the CUDA tests cannot run (bash benchmarks/gpu_deps.sh where pip works, then carry runs/gpu_deps)"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 run_tests kernels tests/kernels/test_cuda.py
 run_tests engine tests/engine/test_cuda_engine.py
