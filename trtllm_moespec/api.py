@@ -11,7 +11,6 @@ checked here, before any long work, with errors that say how to fix the problem.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence

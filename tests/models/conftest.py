@@ -46,3 +46,16 @@ def saved_qwen(tmp_path_factory):
     model = build_hf(qwen3_moe_config())
     model.save_pretrained(str(path))
     return path, model
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """A random EAGLE-3 drafter (96-token draft vocabulary) for a tiny Qwen3-MoE target (one per module:
+    tests may change its state)."""
+    from trtllm_moespec.models.eagle3 import load_eagle3, write_random_drafter
+    from trtllm_moespec.models.target import TargetModel
+
+    target = TargetModel(build_hf(qwen3_moe_config(), seed=11))
+    path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3"), seed=3, draft_vocab_size=96,
+                                with_embeddings=False, init_std=0.2)
+    return load_eagle3(path, target=target)

@@ -8,23 +8,11 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 
 from trtllm_moespec.models.cuda_graphs import DrafterGraphStore, StaticDrafterFrontier
-from trtllm_moespec.models.eagle3 import DrafterKVPool, Eagle3Cache, load_eagle3, write_random_drafter
+from trtllm_moespec.models.eagle3 import DrafterKVPool, Eagle3Cache
 from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
-from trtllm_moespec.models.target import TargetModel
-
-from .conftest import build_hf, qwen3_moe_config
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory):
-    target = TargetModel(build_hf(qwen3_moe_config(), seed=11))
-    path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3b"), seed=3, draft_vocab_size=96,
-                                with_embeddings=False, init_std=0.2)
-    return load_eagle3(path, target=target)
 
 
 def _extend(drafter, cache, n: int, seed: int) -> None:

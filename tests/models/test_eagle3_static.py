@@ -5,21 +5,9 @@ tree-drafting steps with the frontier padded to its full width."""
 import pytest
 import torch
 
-from trtllm_moespec.models.eagle3 import load_eagle3, write_random_drafter
 from trtllm_moespec.models.eagle3_static import extension_inputs, frontier_visibility, static_drafter_forward
-from trtllm_moespec.models.target import TargetModel
-
-from .conftest import build_hf, qwen3_moe_config
 
 ATOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def drafter(tmp_path_factory):
-    target = TargetModel(build_hf(qwen3_moe_config(), seed=11))
-    path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3s"), seed=3, draft_vocab_size=96,
-                                with_embeddings=False, init_std=0.2)
-    return load_eagle3(path, target=target)
 
 
 def _prefilled(drafter, S: int, seed: int):

@@ -139,7 +139,6 @@ def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | Non
     import torch
 
     from ..engine.drafters import Eagle3Source
-    from .measure import time_draft_forward
 
     source = llm.engine.draft_source
     if not isinstance(source, Eagle3Source) or tree.steps < 2:

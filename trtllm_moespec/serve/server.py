@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..api import LLM
 from .app import Server, build_app
-from .engine import ENGINES, ServingEngine, make_engine  # noqa: F401  (make_engine: re-exported)
+from .engine import ServingEngine, make_engine  # noqa: F401  (make_engine: re-exported)
 from .scheduler import Scheduler
 
 log = logging.getLogger("trtllm_moespec.serve")
