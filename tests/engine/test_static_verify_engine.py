@@ -97,6 +97,30 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
     assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_drafter_graph_runners_replay_across_requests(checkpoints, arch):
+    """The drafter's graph runners as the engine drives them, with capture replaced by the stand-in
+    that replays by recomputing into the captured outputs (`tests/models/graph_stand_in.py`): greedy
+    output unchanged; the requests, served one after another, reuse one drafter buffer, so the
+    tree-drafting graph is captured once for all of them and each extension bucket at most once."""
+    from tests.models.graph_stand_in import RecomputeCapture
+    from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs, DrafterGraphs, DrafterGraphStore
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    llm = _llm(checkpoints, arch, "eagle3")
+    source, drafter = llm.engine.draft_source, llm.engine.draft_source.drafter
+    capture = RecomputeCapture()
+    source.extend_runner = DrafterGraphs(drafter, verify_buckets(llm.tree.steps),
+                                         graphs=DrafterGraphStore(drafter, None, capture=capture))
+    source.frontier_runner = DrafterFrontierGraphs(drafter, llm.tree.topk,
+                                                   graphs=DrafterGraphStore(drafter, None, capture=capture))
+    assert [o.token_ids for o in llm.generate(PROMPTS * 2, params)] == plain * 2
+    assert drafter.kv_pool.allocated == 1
+    assert source.frontier_runner.captures == 1 and source.frontier_runner.replays > 0
+    assert 1 <= source.extend_runner.captures <= len(source.extend_runner.buckets)
+
+
 def test_failed_drafter_graph_capture_falls_back_to_eager(checkpoints):
     """A drafter graph that cannot be captured (here: a runner raising GraphCaptureError, as
     capture does on a kernel it cannot record) warns, is dropped, and the step drafts and extends

@@ -1,7 +1,7 @@
 """Drafter K/V buffers reused across requests (`eagle3.DrafterKVPool`) and the drafter's CUDA graphs
 kept per buffer (`cuda_graphs.DrafterGraphStore`): a reused buffer drafts exactly what a fresh one
 does, a finished request's buffer goes to the next request, and graphs are captured once per buffer.
-The graph store's bookkeeping runs here with a stand-in for CUDA capture (this machine has no GPU;
+The graph store's bookkeeping runs here with a stand-in for CUDA capture (`graph_stand_in.py`: this machine has no GPU;
 `tests/engine/test_cuda_engine.py` checks real capture and replay)."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import gc
 
 import torch
 
-from trtllm_moespec.models.cuda_graphs import DrafterGraphStore, StaticDrafterFrontier
+from trtllm_moespec.models.cuda_graphs import DrafterGraphStore, DrafterGraphs, StaticDrafterExtend, StaticDrafterFrontier
 from trtllm_moespec.models.eagle3 import DrafterKVPool, Eagle3Cache
 from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+
+from .graph_stand_in import RecomputeCapture
 
 
 def _extend(drafter, cache, n: int, seed: int) -> None:
@@ -91,26 +93,8 @@ def test_the_pool_hands_out_the_smallest_fitting_buffer_and_keeps_what_the_busie
     assert all(b.shape[3] >= 600 for b in pool._free)
 
 
-class _StandInCapture:
-    """Records captures; its 'graph' replays by calling the function again (what a CUDA graph
-    replay amounts to for these inputs)."""
-
-    def __init__(self, on_capture=None):
-        self.calls, self.on_capture = 0, on_capture
-
-    def __call__(self, call, pool):
-        self.calls += 1
-        if self.on_capture is not None:
-            self.on_capture()
-
-        class Graph:
-            def replay(self):
-                call()
-        return Graph(), call()
-
-
 def test_graphs_are_captured_once_per_buffer_and_replayed_after(drafter):
-    capture = _StandInCapture()
+    capture = RecomputeCapture()
     store = DrafterGraphStore(drafter, pool=None, capture=capture)
     a, b = torch.zeros(3), torch.zeros(3)
     for kv in (a, b, a, b, a):  # two live requests, drafting in turn
@@ -122,7 +106,7 @@ def test_graphs_are_captured_once_per_buffer_and_replayed_after(drafter):
 
 
 def test_graphs_go_with_their_buffer_or_when_the_drafter_tables_change(drafter):
-    capture = _StandInCapture()
+    capture = RecomputeCapture()
     store = DrafterGraphStore(drafter, pool=None, capture=capture)
     a, b = torch.zeros(1), torch.zeros(1)
     for kv in (a, b):
@@ -147,7 +131,7 @@ def test_tables_built_by_the_first_capture_drop_the_graphs_captured_before(draft
     earlier point at the old ones and must not replay."""
     fused = drafter._fused
     drafter._fused = None
-    capture = _StandInCapture()
+    capture = RecomputeCapture()
     store = DrafterGraphStore(drafter, pool=None, capture=capture)
     a = torch.zeros(1)
     try:
@@ -160,3 +144,31 @@ def test_tables_built_by_the_first_capture_drop_the_graphs_captured_before(draft
         assert capture.calls == 3
     finally:
         drafter._fused = fused
+
+
+def test_extension_graphs_are_captured_once_per_bucket_and_buffer(drafter):
+    """`DrafterGraphs` over a stand-in capture: extensions of every bucket size, over two buffers in
+    turn, equal the eager extension, and each (buffer, bucket) is captured once: a new bucket's first
+    use does not drop the graphs of the others."""
+    drafter.kv_pool = DrafterKVPool()
+    capture = RecomputeCapture()
+    buckets = (1, 2, 4, 5)
+    graphs = DrafterGraphs(drafter, buckets, graphs=DrafterGraphStore(drafter, pool=None, capture=capture))
+    eager = StaticDrafterExtend(drafter, buckets)
+    caches = [drafter.new_cache(), drafter.new_cache()]
+    for c in caches:
+        _extend(drafter, c, 20, seed=0)
+    a = drafter.midlayer.self_attn
+    gen = torch.Generator().manual_seed(1)
+    for n in (4, 1, 4, 2, 5, 1, 3, 4):
+        for c in caches:
+            ids = torch.randint(0, 128, (1, n), generator=gen)
+            hidden = torch.randn(1, n, drafter.fc.in_features, generator=gen)
+            kv = c.reserve(c.num_tokens + graphs.bucket(n), a.num_kv_heads, a.head_dim, c.kv.dtype, c.kv.device)
+            ref_kv = kv.clone()
+            want = eager.run(ref_kv, c.num_tokens, ids, hidden)
+            got = graphs.run(kv, c.num_tokens, ids, hidden)
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(kv[:, :, :, :c.num_tokens + n], ref_kv[:, :, :, :c.num_tokens + n], atol=1e-5, rtol=0)
+            c.num_tokens += n
+    assert capture.calls == graphs.captures == 2 * len(buckets)  # each bucket once per buffer

@@ -349,14 +349,15 @@ class StaticDrafterExtend(_Bucketed):
                             keys=out.keys[:, :, :n].clone(), values=out.values[:, :, :n].clone())
 
     def _buffers(self, B: int, hidden: torch.Tensor) -> _ExtendBucket:
-        buf = self._buckets.get(B)
+        old = buf = self._buckets.get(B)
         if buf is None or buf.hidden.shape[-1] != hidden.shape[-1] or buf.hidden.dtype != hidden.dtype:
             device = hidden.device
             buf = _ExtendBucket(input_ids=torch.zeros(1, B, dtype=torch.int64, device=device),
                                 hidden=hidden.new_zeros(1, B, hidden.shape[-1]),
                                 start=torch.zeros(1, dtype=torch.int64, device=device))
             self._buckets[B] = buf
-            self._inputs_replaced()
+            if old is not None:  # a first bucket replaces nothing; graphs of the other buckets stay
+                self._inputs_replaced()
         return buf
 
     def _inputs_replaced(self) -> None:
@@ -376,11 +377,15 @@ class DrafterGraphs(StaticDrafterExtend):
     """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use, per drafter
     K/V buffer (`DrafterGraphStore`). NOT YET RUN ON A GPU."""
 
-    def __init__(self, drafter, buckets: tuple[int, ...]):
-        if not drafter.lm_head.weight.is_cuda:
-            raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
+    def __init__(self, drafter, buckets: tuple[int, ...], graphs: DrafterGraphStore | None = None):
+        """`graphs`: the store (default: CUDA capture into a new graph pool; tests of the bookkeeping
+        pass a store with a stand-in capture)."""
+        if graphs is None:
+            if not drafter.lm_head.weight.is_cuda:
+                raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
+            graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
         super().__init__(drafter, buckets)
-        self.graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
+        self.graphs = graphs
 
     @property
     def captures(self) -> int:
@@ -504,11 +509,14 @@ class DrafterFrontierGraphs(StaticDrafterFrontier):
     buffer on first use (`DrafterGraphStore`) and replayed for every drafting step after. NOT YET
     RUN ON A GPU."""
 
-    def __init__(self, drafter, width: int):
-        if not drafter.lm_head.weight.is_cuda:
-            raise ValueError("DrafterFrontierGraphs needs a drafter on a CUDA device (use StaticDrafterFrontier on CPU)")
+    def __init__(self, drafter, width: int, graphs: DrafterGraphStore | None = None):
+        """`graphs`: as for `DrafterGraphs`."""
+        if graphs is None:
+            if not drafter.lm_head.weight.is_cuda:
+                raise ValueError("DrafterFrontierGraphs needs a drafter on a CUDA device (use StaticDrafterFrontier on CPU)")
+            graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
         super().__init__(drafter, width)
-        self.graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
+        self.graphs = graphs
         self.replays = 0  # drafting steps run from a graph
 
     @property
