@@ -101,3 +101,35 @@ def test_short_prefill_runs_through_the_bucket_and_keeps_the_last_logits(arch):
         assert outs[0].logits.shape == outs[1].logits.shape == (1, 1, 128)
         torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=2e-5, rtol=0)
         assert torch.equal(outs[1].expert_ids, outs[0].expert_ids)
+
+
+def test_verify_graph_bookkeeping_captures_once_per_bucket_and_again_after_growth():
+    """`VerifyGraphs` with capture replaced by the stand-in that replays by recomputing into the captured
+    outputs (`graph_stand_in.py`): verifies of several sizes equal the eager ones, each bucket is
+    captured once, and growing the cache (which moves the tensors the graphs point at) recaptures."""
+    from .graph_stand_in import RecomputeCapture
+
+    target = _target("qwen3_moe")
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 128, (1, 9), generator=gen)
+    graph_cache, eager_cache = target.new_cache(), target.new_cache()
+    for c in (graph_cache, eager_cache):
+        target.prefill(c, prompt)
+    capture = RecomputeCapture()
+    graphs = VerifyGraphs(target.lean, graph_cache.kv, graph_cache.slot, (1, 2, 4, 8), capture=capture)
+    grown = False
+    for step, k in enumerate((0, 3, 1, 3, 0, 6, 3)):
+        if step == 4:  # past the cache: every graph must be recaptured over the new tensors
+            graph_cache.kv.ensure_len(graph_cache.kv.max_len * 2)
+            grown = True
+        tree = _tree(k, 20 + step) if k else DraftTree.empty(1)
+        layout = build_layout(tree, torch.arange(k)[None], torch.tensor([5 + step]))
+        P = graph_cache.num_tokens
+        got = graphs.run(layout.token_ids, layout.position_ids(P), P, layout.tree_mask() if k else None)
+        want = target.verify(eager_cache, layout)
+        torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=0)
+        assert torch.equal(got.expert_ids, want.expert_ids)
+        graph_cache.num_pending = eager_cache.num_pending
+        for c in (graph_cache, eager_cache):
+            target.commit(c, torch.tensor([1] if k else [-1]))
+    assert grown and graphs.captures == capture.calls == 3 + 3  # buckets 1, 4, 2; then 1, 8, 4 again

@@ -165,11 +165,14 @@ class VerifyGraphs(StaticVerify):
     after. All graphs share one memory pool. Growing the cache (or the rotary table) moves
     tensors the graphs point at, so every graph is dropped and recaptured lazily."""
 
-    def __init__(self, lean: LeanForward, cache: StaticKVCache, slot: int, buckets: tuple[int, ...]):
-        if not cache.kv.is_cuda:
+    def __init__(self, lean: LeanForward, cache: StaticKVCache, slot: int, buckets: tuple[int, ...],
+                 capture=None):
+        """`capture`: `_capture_graph` (CUDA, the default); tests of the bookkeeping pass a stand-in."""
+        if capture is None and not cache.kv.is_cuda:
             raise ValueError("VerifyGraphs needs a CUDA cache (use StaticVerify on CPU)")
         super().__init__(lean, cache, slot, buckets)
-        self.pool = torch.cuda.graph_pool_handle()
+        self._capture = capture or _capture_graph
+        self.pool = torch.cuda.graph_pool_handle() if capture is None else None
         self._captured_for: tuple[torch.Tensor, object] | None = None
         self.captures = 0  # graphs captured so far (recaptures after growth included)
 
@@ -181,7 +184,7 @@ class VerifyGraphs(StaticVerify):
                 b.graph, b.output = None, None
         if buf.graph is None:
             try:
-                buf.graph, buf.output = _capture_graph(lambda: self._call(buf), self.pool)
+                buf.graph, buf.output = self._capture(lambda: self._call(buf), self.pool)
             except Exception as e:  # a kernel that cannot be captured, or out of memory
                 raise GraphCaptureError(str(e)) from e
             self._captured_for = (self.cache.kv, self.lean._cos)
