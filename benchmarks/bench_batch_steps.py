@@ -1,8 +1,8 @@
 """Batch steps without the server: how the batched engine's decode steps scale with batch size, and
 what the batch policies' guarded plain steps cost beside `ar`'s (issue 14's numbers, engine only).
 
-For each method and batch size B, B greedy requests (the same prompt, cut to slightly different
-lengths) are admitted together and decoded to `--tokens` new tokens; the time per batch step after
+For each method and batch size B, B greedy requests (prompts of 97 - B .. 96 tokens of Python
+source, as `bench_serve`'s 96-token prompts) are admitted together and decoded to `--tokens` new tokens; the time per batch step after
 the prefill step is the median over `--repeats` runs, interleaved (every other repeat in reverse order). The prefill of a
 request is timed too: under a serving load each arriving request is prefilled alone between batch
 steps (`benchmarks/bench_serve.py` includes that, this benchmark does not).
@@ -21,14 +21,15 @@ import time
 
 import torch
 
-from benchmarks.bench_engine import PROMPT
+from benchmarks.bench_engine import _context_ids
 
+PROMPT_TOKENS = 96
 POLICY = {"ar": "ar", "joint": "joint", "joint-batch": "joint", "evict-batch": "evict"}
 
 
 def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int]:
     """(ms per batch step after the prefill step, speculative steps) of one batch decoded to the end."""
-    requests = [llm.make_request(ids[:len(ids) - batch + i + 1], params) for i in range(batch)]
+    requests = [llm.make_request(ids[:PROMPT_TOKENS - batch + i + 1], params) for i in range(batch)]
     for r in requests:
         engine.add(r)
     engine.step()  # the prefills and first tokens
@@ -56,7 +57,7 @@ def main(argv=None) -> dict:
     if "ar" not in methods or any(m not in POLICY for m in methods):
         raise SystemExit(f"--methods: a comma list of {', '.join(POLICY)} including ar")
     llms = {p: LLM("moespec-tiny", policy=p) for p in {POLICY[m] for m in methods}}
-    ids = llms["ar"].encode([PROMPT])[0]
+    ids = _context_ids(llms["ar"], PROMPT_TOKENS)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     engines = {(m, b): BatchedEngine(llms[POLICY[m]].engine, b, batch_policy=m if m.endswith("-batch") else None)
                for m in methods for b in sizes}
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
     for _ in range(20):
         cache = llms["ar"].target.new_cache()
         t0 = time.perf_counter()
-        llms["ar"].target.prefill(cache, torch.tensor([ids[-96:]]))
+        llms["ar"].target.prefill(cache, torch.tensor([ids]))
         prefill.append((time.perf_counter() - t0) * 1e3)
         del cache
     result = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,

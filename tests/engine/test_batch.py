@@ -238,6 +238,34 @@ def test_abort_frees_the_slot_and_slots_are_reused(checkpoints):
             engine.add(r)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_prompts_prefilled_together_equal_prefilled_alone(checkpoints, arch):
+    """prefill_batch: prompts of different lengths (right-padded to the longest, past the GPT-OSS test
+    window of 8) in one forward give each prompt's own prefill (last logits, every hidden and expert
+    id), and the caches continue as the single ones do (the padding's keys are overwritten)."""
+    from trtllm_moespec.core.layout import root_layout
+    from trtllm_moespec.engine.batch import prefill_batch
+
+    target = _llm(checkpoints, arch, "ar").target
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (1, n), generator=gen) for n in (5, 17, 11)]
+    together = [target.new_cache() for _ in prompts]
+    outs = prefill_batch(target, together, prompts)
+    for p, c, out in zip(prompts, together, outs):
+        alone = target.new_cache()
+        ref = target.prefill(alone, p)
+        assert c.num_tokens == alone.num_tokens == p.shape[1]
+        torch.testing.assert_close(out.logits, ref.logits, atol=2e-5, rtol=0)
+        torch.testing.assert_close(out.hidden, ref.hidden, atol=2e-5, rtol=0)
+        assert torch.equal(out.expert_ids, ref.expert_ids)
+        for tok in (3, 9):  # the next steps: the padding past the prompt must not leak into them
+            layout = root_layout(torch.tensor([tok]))
+            a, b = target.verify(c, layout), target.verify(alone, layout)
+            torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=0)
+            for cache in (c, alone):
+                target.commit(cache, torch.tensor([-1]))
+
+
 def test_pad_layouts_pads_with_the_root_seeing_only_itself():
     tree = DraftTree.from_parents(torch.tensor([[4, 5, 6]]), torch.tensor([[-1, 0, -1]]), torch.full((1, 3), 0.5))
     big = build_layout(tree, torch.tensor([[0, 1, 2]]), torch.tensor([9]))

@@ -146,7 +146,7 @@ class BatchedEngine:
         t_step = time.perf_counter()
         new = [a for a in self._active.values() if a.cache is None]
         running = [a for a in self._active.values() if a.cache is not None]
-        outputs = [self._start(a) for a in new]
+        outputs = self._start(new) if new else []
         experts = 0.0
         if running:
             spec_outputs, experts = self._iterate(running, t_step)
@@ -156,21 +156,29 @@ class BatchedEngine:
                 self.abort(out.request)
         return outputs, experts
 
-    def _start(self, active: _Active) -> BatchStepOutput:
-        """Prefill one request and emit its first token (the same rule as `SpecEngine.run`)."""
-        request, engine = active.request, self.engine
-        prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=self.target.device)
+    def _start(self, new: list[_Active]) -> list[BatchStepOutput]:
+        """Prefill requests admitted since the last step, together in one forward (`prefill_batch`),
+        and emit each one's first token (the same rule as `SpecEngine.run`)."""
+        engine = self.engine
         t0 = time.perf_counter()
-        active.cache = self.target.new_cache()
-        prefill = self.target.prefill(active.cache, prompt)
-        root = engine._first_token(prefill, request)
-        active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
-                                        lazy=self._defer_drafter)
-        if engine.values is not None and engine.policy.uses_values:
-            active.values = engine.values.for_request(request.sampling)
-        request.prefill_ms = (time.perf_counter() - t0) * 1e3
-        finished = engine._append(request, [root])
-        return BatchStepOutput(request, request.output_ids[-1:], finished, None)
+        prompts = [torch.tensor([a.request.prompt_ids], dtype=torch.int64, device=self.target.device) for a in new]
+        for a in new:
+            a.cache = self.target.new_cache()
+        prefills = prefill_batch(self.target, [a.cache for a in new], prompts)
+        outputs = []
+        for active, prompt, prefill in zip(new, prompts, prefills):
+            request = active.request
+            root = engine._first_token(prefill, request)
+            active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
+                                            lazy=self._defer_drafter)
+            if engine.values is not None and engine.policy.uses_values:
+                active.values = engine.values.for_request(request.sampling)
+            finished = engine._append(request, [root])
+            outputs.append(BatchStepOutput(request, request.output_ids[-1:], finished, None))
+        prefill_ms = (time.perf_counter() - t0) * 1e3  # every request waited for the whole prefill
+        for active in new:
+            active.request.prefill_ms = prefill_ms
+        return outputs
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine
@@ -344,7 +352,48 @@ def _stack_trees(trees: list[DraftTree], predictions) -> tuple[torch.Tensor, ...
     return scores, parents, valid, traj, root_bits
 
 
-# ---------------------------------------------------------------------- the batched forward
+# ---------------------------------------------------------------------- the batched forwards
+# Prompts prefilled together in one forward are right-padded to the longest; beyond this many
+# padded tokens (B x longest) they are prefilled one by one (bounds the [B, T, T] attention masks).
+MAX_BATCHED_PREFILL_TOKENS = 4096
+
+
+def prefill_batch(target: TargetModel, caches: list[TargetCache], prompts: list[torch.Tensor]) -> list[TargetOutput]:
+    """Prefill new requests' prompts [1, L_b] into their empty caches: one lean forward for all of
+    them, each output as `TargetModel.prefill` gives it (logits of the last prompt token [1, 1, V],
+    hidden and expert ids of every prompt token). Rows are right-padded to the longest prompt: a
+    prompt's tokens see only themselves and earlier ones (causal), and the padding's keys, written
+    past the prompt in its cache slot, are overwritten by the request's next forward before any
+    query can see them. One by one without a lean forward, for a single prompt, or when padding
+    would pass MAX_BATCHED_PREFILL_TOKENS."""
+    lean = getattr(target, "lean", None)
+    longest = max(p.shape[1] for p in prompts)
+    if lean is None or len(prompts) == 1 or longest * len(prompts) > MAX_BATCHED_PREFILL_TOKENS:
+        return [target.prefill(c, p) for c, p in zip(caches, prompts)]
+    from ..models.lean_forward import ForwardBatch
+
+    for c, p in zip(caches, prompts):
+        target._check_ready(c, p)
+        if c.num_tokens:
+            raise ValueError("prefill_batch fills empty caches only")
+    order = sorted(range(len(caches)), key=lambda b: caches[b].slot)  # slot order: K/V read as views
+    device = target.device
+    lengths = [prompts[b].shape[1] for b in order]
+    input_ids = torch.zeros(len(order), longest, dtype=torch.int64, device=device)
+    for row, b in enumerate(order):
+        input_ids[row, :lengths[row]] = prompts[b][0].to(device)
+    batch = ForwardBatch(input_ids=input_ids, positions=torch.arange(longest, device=device).expand(len(order), longest),
+                         slots=tuple(caches[b].slot for b in order), prefix_lens=(0,) * len(order),
+                         logits_at=tuple(n - 1 for n in lengths))
+    out = lean.forward(caches[0].kv, batch)
+    outputs: list[TargetOutput | None] = [None] * len(order)
+    for row, (b, n) in enumerate(zip(order, lengths)):
+        caches[b].num_tokens = n
+        outputs[b] = TargetOutput(logits=out.logits[row:row + 1], hidden=out.hidden[row:row + 1, :n],
+                                  expert_ids=out.expert_ids[row:row + 1, :n])
+    return outputs
+
+
 def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[TreeLayout]) -> list[TargetOutput]:
     """One target forward over every request's root + selected nodes; per-request outputs
     [1, 1+K_b, ...] at its own layout positions. Falls back to one forward per request when

@@ -40,6 +40,7 @@ class ForwardBatch:
     prefix_lens: tuple[int, ...]  # [B] committed keys per request; new K/V go to cache index prefix_len + t
     tree_mask: torch.Tensor | None = None  # [B, T, T] bool, query i sees new key j; None = causal
     logits_to_keep: int = 0  # 0: logits at all T positions; n: at the last n
+    logits_at: tuple[int, ...] | None = None  # [B] instead: the one position per row whose logits are kept
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class LeanForward:
         masks = build_masks(batch.prefix_lens, batch.positions, batch.tree_mask, self.embed.dtype, self.window,
                             self.has_full)
         io = _HostIndexedIO(batch.slots, batch.prefix_lens)
-        return self._decode(cache, batch.input_ids, batch.positions, masks, io, batch.logits_to_keep)
+        return self._decode(cache, batch.input_ids, batch.positions, masks, io, batch.logits_to_keep, batch.logits_at)
 
     @torch.no_grad()
     def forward_static(self, cache: StaticKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -153,7 +154,8 @@ class LeanForward:
         io = _TensorIndexedIO(slots, prefix_lens, input_ids.shape[1])
         return self._decode(cache, input_ids, positions, masks, io, logits_to_keep)
 
-    def _decode(self, cache, input_ids, positions, masks: AttentionMasks, io, logits_to_keep: int) -> LeanOutput:
+    def _decode(self, cache, input_ids, positions, masks: AttentionMasks, io, logits_to_keep: int,
+                logits_at: tuple[int, ...] | None = None) -> LeanOutput:
         B, T = input_ids.shape
         cos, sin = self._rope(positions, cache.max_len)
         h = F.embedding(input_ids, self.embed)  # [B, T, H]
@@ -166,7 +168,10 @@ class LeanForward:
             h = h + mlp_out
             if ids is not None:
                 expert_ids.append(ids.view(B, T, -1))
-        keep = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
+        if logits_at is not None:  # rows of different lengths (a batch of right-padded prompts): [B, 1, H]
+            keep = h[torch.arange(B, device=h.device), torch.tensor(logits_at, device=h.device)][:, None]
+        else:
+            keep = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
         logits = self.lm_head(self._norm(keep, self.final_norm)).float()
         return LeanOutput(logits=logits, hidden=torch.cat(hidden, dim=-1), expert_ids=torch.stack(expert_ids, dim=2))
 
