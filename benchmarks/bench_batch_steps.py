@@ -2,10 +2,12 @@
 what the batch policies' guarded plain steps cost beside `ar`'s (issue 14's numbers, engine only).
 
 For each method and batch size B, B greedy requests (prompts of 97 - B .. 96 tokens of Python
-source, as `bench_serve`'s 96-token prompts) are admitted together and decoded to `--tokens` new tokens; the time per batch step after
-the prefill step is the median over `--repeats` runs, interleaved (every other repeat in reverse order). The prefill of a
-request is timed too: under a serving load each arriving request is prefilled alone between batch
-steps (`benchmarks/bench_serve.py` includes that, this benchmark does not).
+source, like `bench_serve`'s 96-token prompts) are admitted together and decoded to `--tokens` new
+tokens; the time per batch step after the prefill step is the median over `--repeats` runs,
+interleaved (every other repeat in reverse order). Under a serving load (`bench_serve.py`, not here)
+the prefills of arriving requests run between batch steps; requests admitted in the same step are
+prefilled together in one forward (`engine.batch.prefill_batch`), and the prefill of B prompts one
+by one and together is timed beside each other.
 
     python -m benchmarks.bench_batch_steps [--batch-sizes 1,2,4,8] [--methods ar,joint,joint-batch,evict-batch]
         [--tokens 128] [--repeats 10] [--json PATH]
@@ -40,6 +42,27 @@ def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int]:
     return (time.perf_counter() - t0) * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps)
 
 
+def _prefill_ms(target, ids: list[int], sizes: list[int], repeats: int = 10) -> dict[int, tuple[float, float]]:
+    """Per batch size B: (ms to prefill B prompts one by one, ms to prefill them in one forward,
+    `engine.batch.prefill_batch`), medians of `repeats` interleaved runs."""
+    from trtllm_moespec.engine.batch import prefill_batch
+
+    times = {(b, together): [] for b in sizes for together in (False, True)}
+    for _ in range(repeats):
+        for (b, together), row in times.items():
+            prompts = [torch.tensor([ids[:PROMPT_TOKENS - b + i + 1]]) for i in range(b)]
+            caches = [target.new_cache() for _ in prompts]
+            t0 = time.perf_counter()
+            if together:
+                prefill_batch(target, caches, prompts)
+            else:
+                for c, p in zip(caches, prompts):
+                    target.prefill(c, p)
+            row.append((time.perf_counter() - t0) * 1e3)
+            del caches
+    return {b: (statistics.median(times[b, False]), statistics.median(times[b, True])) for b in sizes}
+
+
 def main(argv=None) -> dict:
     from trtllm_moespec import LLM, SamplingParams
     from trtllm_moespec.engine.batch import BatchedEngine
@@ -69,16 +92,12 @@ def main(argv=None) -> dict:
         for m, b in cells if repeat % 2 == 0 else cells[::-1]:
             rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
     step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
-    prefill = []
-    for _ in range(20):
-        cache = llms["ar"].target.new_cache()
-        t0 = time.perf_counter()
-        llms["ar"].target.prefill(cache, torch.tensor([ids]))
-        prefill.append((time.perf_counter() - t0) * 1e3)
-        del cache
+    prefill = _prefill_ms(llms["ar"].target, ids, sizes)
     result = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
-              "prefill_96_ms": statistics.median(prefill), "cells": []}
-    print(f"prefill of a 96-token prompt: {result['prefill_96_ms']:.2f} ms")
+              "prefill_96_ms": prefill, "cells": []}
+    for b, (alone, together) in prefill.items():
+        print(f"prefill of {b} prompt(s) of {PROMPT_TOKENS - b + 1}..{PROMPT_TOKENS} tokens: one by one {alone:.2f} ms, "
+              f"together {together:.2f} ms ({alone / together:.2f}x)")
     for m in methods:
         for b in sizes:
             cell = {"method": m, "batch": b, "step_ms": step_ms[m, b],
