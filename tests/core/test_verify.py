@@ -1,7 +1,6 @@
 """Tree verification: greedy == argmax chain, vectorised == reference, and losslessness
 (exact enumeration of the rule, and a seeded chi-square test of the implementation)."""
 
-import itertools
 import math
 
 import numpy as np
