@@ -22,6 +22,7 @@ from .core.cost import CostTable
 from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
+from .detokenize import TextStream, stop_string_check
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
@@ -257,11 +258,11 @@ class LLM:
         request = self.make_request(ids, params)
         text = TextStream(self._decode)
         for new in self.engine.run(request):
-            yield StreamEvent(list(new), text.delta(request.output_ids))
-        final = self._decode(request.output_ids)
-        out = RequestOutput(list(ids), list(request.output_ids), final, request.finish_reason or "length",
+            yield StreamEvent(list(new), text.push(request.output_ids))
+        rest = text.finish(request.output_ids)
+        out = RequestOutput(list(ids), list(request.output_ids), text.sent, request.finish_reason or "length",
                             request.stats(), tuple(request.steps))
-        yield StreamEvent([], text.rest(final), out)
+        yield StreamEvent([], rest, out)
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
@@ -280,16 +281,7 @@ class LLM:
             return None
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-
-        def check(output_ids: list[int]) -> int | None:
-            if not any(s in self._decode(output_ids) for s in params.stop):
-                return None
-            n = len(output_ids)
-            while n > 0 and any(s in self._decode(output_ids[:n]) for s in params.stop):
-                n -= 1
-            return n
-
-        return check
+        return stop_string_check(self._decode, params.stop)
 
     def encode(self, prompts) -> list[list[int]]:
         """Prompts (str or token ids, one or many) -> checked token-id lists."""
@@ -338,29 +330,6 @@ def _is_ids(x) -> bool:
 def _describe(x) -> str:
     text = repr(x)
     return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
-
-
-class TextStream:
-    """Incremental detokenization for streaming: each call returns the text not sent yet.
-
-    Trailing U+FFFD is held back: it marks a multi-byte character whose remaining bytes come with the
-    next token (byte-level BPE splits e.g. an emoji into four tokens); streaming it would print a
-    character the final text does not have. `rest` flushes what is still held (an output cut in the
-    middle of a character keeps its U+FFFD, as the final text does), so the chunks join to the final text.
-    """
-
-    def __init__(self, decode):
-        self.decode, self.sent = decode, ""
-
-    def delta(self, output_ids: Sequence[int]) -> str:
-        text = self.decode(output_ids).rstrip("\ufffd")
-        if len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-    def rest(self, final_text: str) -> str:
-        return final_text[len(self.sent):]
 
 
 def _load_tokenizer(path: Path):

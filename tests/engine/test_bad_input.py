@@ -94,19 +94,19 @@ def tiny_ar():
 def test_stream_holds_back_incomplete_characters(tiny_ar):
     """(case stream-utf8) Byte-level BPE splits an emoji into four tokens; streaming token by token must
     not print U+FFFD for the partial bytes, and the chunks must join to the final text."""
-    from trtllm_moespec.api import TextStream
+    from trtllm_moespec.detokenize import TextStream
 
     tok = tiny_ar.tokenizer
     text = "x = '🙂 é → 日本' # done"
     ids = tok.encode(text, add_special_tokens=False)
     assert any(tok.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # the case really arises
     stream = TextStream(tiny_ar._decode)
-    chunks = [stream.delta(ids[:n]) for n in range(1, len(ids) + 1)]
-    chunks.append(stream.rest(tok.decode(ids)))
+    chunks = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)]
+    chunks.append(stream.finish(ids))
     assert "".join(chunks) == text and not any("\ufffd" in c for c in chunks)
     cut = ids[:ids.index(tok.encode("🙂", add_special_tokens=False)[0]) + 2]  # output ends mid-character
     stream = TextStream(tiny_ar._decode)
-    chunks = [stream.delta(cut[:n]) for n in range(1, len(cut) + 1)] + [stream.rest(tok.decode(cut))]
+    chunks = [stream.push(cut[:n]) for n in range(1, len(cut) + 1)] + [stream.finish(cut)]
     assert "".join(chunks) == tok.decode(cut) and chunks[-1] == "\ufffd"  # flushed at the end, as in the final text
     # through the engine: joined events == final text
     events = list(tiny_ar.stream("s = '", SamplingParams(max_tokens=24, temperature=1.0, seed=2)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trtllm_moespec.serve.detokenize import TextStream
+from trtllm_moespec.detokenize import TextStream
 
 
 @pytest.fixture(scope="module")

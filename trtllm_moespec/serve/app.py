@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..api import LLM
 from ..engine.engine import Request
-from .detokenize import TextStream
+from ..detokenize import TextStream
 from .engine import make_request
 from .protocol import BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion, usage
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from ..api import LLM, RequestOutput, SamplingParams, StreamEvent
 from ..engine.engine import Request
-from .detokenize import TextStream
+from ..detokenize import TextStream
 from .engine import make_engine, make_request
 from .scheduler import FinishEvent, Scheduler, TokenEvent
 
