@@ -27,7 +27,7 @@ scheduler). A request's slot is released when it finishes or is aborted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,7 @@ from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, gather_nodes, limit_depth, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes, with_values
-from ..core.verify import verify_tree
+from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter
@@ -201,9 +201,14 @@ class BatchedEngine:
         outs = verify_batch(self.target, [a.cache for a in running], layouts)
         t_target = time.perf_counter() - t0
         batch_experts = _batch_unique_per_layer(outs, self.target.num_experts)
-        results = []
-        for a, d, (experts, _), n, layout, out in zip(running, drafts, predictions, node_idx, layouts, outs):
-            results.append(self._finish(a, d, experts, n, layout, out))
+        t0 = time.perf_counter()
+        # A plain step verifies every root with one call (the rule is per row, so each request's result
+        # and random numbers are those of verifying it alone); a speculative one request by request.
+        checked = _verify_roots(running, roots, outs) if not speculate else [None] * len(running)
+        t_roots = (time.perf_counter() - t0) / len(running)
+        results = [self._finish(a, d, experts, n, layout, out, result)
+                   for a, d, (experts, _), n, layout, out, result
+                   in zip(running, drafts, predictions, node_idx, layouts, outs, checked)]
         iter_s = time.perf_counter() - t_iter
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
@@ -212,13 +217,17 @@ class BatchedEngine:
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
             self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)
-        share = lambda t: t * 1e3  # every request waited for the whole batch stage  # noqa: E731
-        stats = [replace(r.step, draft_ms=share(t_draft) + r.step.draft_ms, predictor_ms=share(t_pred),
-                         select_ms=share(t_select), target_ms=share(t_target),
-                         verify_ms=share(t_target) + r.step.verify_ms, step_ms=step_s * 1e3) for r in results]
-        for r, s in zip(results, stats):
-            r.request.steps[-1] = s
-        return [BatchStepOutput(r.request, r.new_ids, r.finished, s) for r, s in zip(results, stats)], batch_experts
+        shared = dict(predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, target_ms=t_target * 1e3,
+                      step_ms=step_s * 1e3)  # every request waited for the whole batch stage
+        outputs = []
+        for r in results:
+            parts = dict(r.parts)
+            own_draft_s, own_verify_s = parts.pop("own_draft_s"), parts.pop("own_verify_s")
+            stats = StepStats(**parts, **shared, draft_ms=(t_draft + own_draft_s) * 1e3,
+                              verify_ms=(t_target + t_roots + own_verify_s) * 1e3)
+            r.request.steps.append(stats)
+            outputs.append(BatchStepOutput(r.request, r.new_ids, r.finished, stats))
+        return outputs, batch_experts
 
     # ------------------------------------------------------------------ stages
     def _draft(self, active: _Active) -> Draft:
@@ -277,11 +286,13 @@ class BatchedEngine:
         return [sel.node_idx[b:b + 1] for b in range(len(trees))]
 
     def _finish(self, active: _Active, draft: Draft | None, experts, node_idx: torch.Tensor, layout: TreeLayout,
-                out: TargetOutput):
-        """Acceptance rule, commit and stats for one request (exactly as `SpecEngine._step`)."""
+                out: TargetOutput, result: VerifyResult | None = None):
+        """Acceptance rule (unless `result` already holds it), commit and the step's own stats for one
+        request (exactly as `SpecEngine._step`)."""
         request, engine = active.request, self.engine
         t0 = time.perf_counter()
-        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        if result is None:
+            result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
         if active.values is not None and draft is not None:  # the step's outcome updates the request's values
             active.values.observe(draft.tree, node_idx, accepted_nodes(node_idx, result.accepted_pos))
@@ -298,13 +309,33 @@ class BatchedEngine:
         before = len(request.output_ids)
         finished = engine._append(request, emitted)
         hits, checked = _predictor_hits(experts, out, layout, result) if draft is not None else (0, 0)
-        step = StepStats(
-            verified_tokens=int(layout.num_nodes[0]), accepted_tokens=int(result.num_accepted[0]),
-            committed_tokens=len(emitted), unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
-            draft_ms=t_draft * 1e3, predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=0.0,
-            commit_ms=t_commit * 1e3, step_ms=0.0, predictor_hits=hits, predictor_total=checked)
-        request.steps.append(step)
-        return _Finished(request, request.output_ids[before:], finished, step)
+        parts = dict(  # StepStats fields of this request alone; `_iterate` adds the batch stages' times
+            verified_tokens=0 if draft is None else int(layout.num_nodes[0]),
+            accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
+            unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
+            commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked,
+            own_draft_s=t_draft, own_verify_s=t_verify)
+        return _Finished(request, request.output_ids[before:], finished, parts)
+
+
+def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[TargetOutput]) -> list[VerifyResult]:
+    """Every request's plain step (its root alone) verified in one call per kind, split per request:
+    greedy requests together (no random numbers drawn, as alone), sampled ones together (each draws
+    from its own generator, as alone)."""
+    requests = [a.request for a in running]
+    results: list[VerifyResult | None] = [None] * len(requests)
+    greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
+    sampled = [b for b, r in enumerate(requests) if not r.sampling.greedy]
+    for group in (greedy, sampled):
+        if not group:
+            continue
+        result = verify_tree(root_layout(torch.cat([roots[b] for b in group])),
+                             torch.cat([outs[b].logits for b in group]),  # [G, 1, V]
+                             [requests[b].sampling for b in group], [requests[b].generator for b in group])
+        for i, b in enumerate(group):
+            results[b] = VerifyResult(result.accepted_pos[i:i + 1], result.num_accepted[i:i + 1],
+                                      result.emitted_ids[i:i + 1], result.num_emitted[i:i + 1])
+    return results
 
 
 @dataclass(frozen=True)
@@ -312,7 +343,7 @@ class _Finished:
     request: Request
     new_ids: list[int]
     finished: bool
-    step: StepStats
+    parts: dict  # the request's own StepStats fields and times (see `_finish`)
 
 
 BATCH_POLICIES = {"joint-batch": "joint", "evict-batch": "evict", "ecospec-batch": "ecospec"}  # -> loaded policy
