@@ -108,6 +108,7 @@ class GoodputGuard:
         self._until_probe = probe_every  # steps left before the losing mode is tried again
         self._interval = probe_every  # current probe interval (doubles while the loser keeps losing)
         self.num_probes = 0
+        self._decisions: dict[int, bool | None] = {}  # batch size -> `_decision`, until the next record
 
     def speculate(self, batch_size: int) -> bool:
         """Speculate on the next step of `batch_size` requests? Decided before any drafting."""
@@ -128,6 +129,7 @@ class GoodputGuard:
             seconds = min(seconds, TIME_CLIP * self._seconds[key])
         self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
         self._seconds[key] = self._ema(self._seconds.get(key), seconds)
+        self._decisions.clear()
         after = self._decision(batch_size)
         if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
             self.num_probes += 1
@@ -158,9 +160,12 @@ class GoodputGuard:
 
     def _decision(self, batch_size: int) -> bool | None:
         """The winning mode at the nearest batch size where both modes were measured (this one
-        first, then smaller on ties: neighbouring sizes cost alike); None while there is none."""
-        measured = self._nearest_measured(batch_size)
-        return None if measured is None else self._winner(measured)
+        first, then smaller on ties: neighbouring sizes cost alike); None while there is none.
+        Kept per batch size until the next `record` changes the measurements (asked every step)."""
+        if batch_size not in self._decisions:
+            measured = self._nearest_measured(batch_size)
+            self._decisions[batch_size] = None if measured is None else self._winner(measured)
+        return self._decisions[batch_size]
 
     def _nearest_measured(self, batch_size: int) -> int | None:
         sizes = sorted((abs(b - batch_size), b) for b, _ in self._goodput if self._winner(b) is not None)
