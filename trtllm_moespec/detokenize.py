@@ -98,13 +98,14 @@ def stop_string_check(decode: Decode, stop: Sequence[str]) -> Callable[[list[int
     share with what came before, is searched."""
     text = IncrementalText(decode)
     longest = max(len(s) for s in stop)
-    checked = [0]  # text length already known to hold no stop string
+    checked = 0  # text length already known to hold no stop string
 
     def check(output_ids: list[int]) -> int | None:
+        nonlocal checked
         full = text.text(output_ids)
-        start = max(0, min(checked[0], len(full)) - longest + 1)
+        start = max(0, min(checked, len(full)) - longest + 1)
         # a trailing U+FFFD is a character still incomplete: its final text may differ, so it is searched again
-        checked[0] = len(full.rstrip("\ufffd"))
+        checked = len(full.rstrip("\ufffd"))
         if not any(s in full[start:] for s in stop):
             return None
         n = len(output_ids)  # the shortest output that still holds one: cut just before its last token

@@ -40,6 +40,11 @@ class VerifyResult:
     emitted_ids: torch.Tensor  # [B, D+1] int64 accepted tokens then the bonus token, -1 pad
     num_emitted: torch.Tensor  # [B] int64 = num_accepted + 1
 
+    def row(self, b: int) -> "VerifyResult":
+        """Request b's result alone, as verifying it by itself gives it (views, batch of one)."""
+        return VerifyResult(self.accepted_pos[b:b + 1], self.num_accepted[b:b + 1], self.emitted_ids[b:b + 1],
+                            self.num_emitted[b:b + 1])
+
     def keep_positions(self) -> torch.Tensor:
         """[B, D+1] layout positions whose KV entries survive: root then accepted nodes (-1 pad)."""
         root = torch.zeros_like(self.accepted_pos[:, :1])

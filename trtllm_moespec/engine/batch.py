@@ -221,10 +221,8 @@ class BatchedEngine:
                       step_ms=step_s * 1e3)  # every request waited for the whole batch stage
         outputs = []
         for r in results:
-            parts = dict(r.parts)
-            own_draft_s, own_verify_s = parts.pop("own_draft_s"), parts.pop("own_verify_s")
-            stats = StepStats(**parts, **shared, draft_ms=(t_draft + own_draft_s) * 1e3,
-                              verify_ms=(t_target + t_roots + own_verify_s) * 1e3)
+            stats = StepStats(**r.parts, **shared, draft_ms=(t_draft + r.draft_s) * 1e3,
+                              verify_ms=(t_target + t_roots + r.verify_s) * 1e3)
             r.request.steps.append(stats)
             outputs.append(BatchStepOutput(r.request, r.new_ids, r.finished, stats))
         return outputs, batch_experts
@@ -313,9 +311,8 @@ class BatchedEngine:
             verified_tokens=0 if draft is None else int(layout.num_nodes[0]),
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
-            commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked,
-            own_draft_s=t_draft, own_verify_s=t_verify)
-        return _Finished(request, request.output_ids[before:], finished, parts)
+            commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
+        return _Finished(request, request.output_ids[before:], finished, parts, t_draft, t_verify)
 
 
 def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[TargetOutput]) -> list[VerifyResult]:
@@ -333,8 +330,7 @@ def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[
                              torch.cat([outs[b].logits for b in group]),  # [G, 1, V]
                              [requests[b].sampling for b in group], [requests[b].generator for b in group])
         for i, b in enumerate(group):
-            results[b] = VerifyResult(result.accepted_pos[i:i + 1], result.num_accepted[i:i + 1],
-                                      result.emitted_ids[i:i + 1], result.num_emitted[i:i + 1])
+            results[b] = result.row(i)
     return results
 
 
@@ -343,7 +339,9 @@ class _Finished:
     request: Request
     new_ids: list[int]
     finished: bool
-    parts: dict  # the request's own StepStats fields and times (see `_finish`)
+    parts: dict  # the request's own StepStats fields (see `_finish`)
+    draft_s: float  # its own drafter work (the batch's drafting stage is added)
+    verify_s: float  # its own acceptance rule (the batch's forward is added)
 
 
 BATCH_POLICIES = {"joint-batch": "joint", "evict-batch": "evict", "ecospec-batch": "ecospec"}  # -> loaded policy
@@ -407,7 +405,7 @@ def prefill_batch(target: TargetModel, caches: list[TargetCache], prompts: list[
         target._check_ready(c, p)
         if c.num_tokens:
             raise ValueError("prefill_batch fills empty caches only")
-    order = sorted(range(len(caches)), key=lambda b: caches[b].slot)  # slot order: K/V read as views
+    order = _slot_order(caches)
     device = target.device
     lengths = [prompts[b].shape[1] for b in order]
     input_ids = torch.zeros(len(order), longest, dtype=torch.int64, device=device)
@@ -417,12 +415,9 @@ def prefill_batch(target: TargetModel, caches: list[TargetCache], prompts: list[
                          slots=tuple(caches[b].slot for b in order), prefix_lens=(0,) * len(order),
                          logits_at=tuple(n - 1 for n in lengths))
     out = lean.forward(caches[0].kv, batch)
-    outputs: list[TargetOutput | None] = [None] * len(order)
-    for row, (b, n) in enumerate(zip(order, lengths)):
+    for b, n in zip(order, lengths):
         caches[b].num_tokens = n
-        outputs[b] = TargetOutput(logits=out.logits[row:row + 1], hidden=out.hidden[row:row + 1, :n],
-                                  expert_ids=out.expert_ids[row:row + 1, :n])
-    return outputs
+    return _per_request(out, order, lengths, all_logits=False)
 
 
 def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[TreeLayout]) -> list[TargetOutput]:
@@ -436,9 +431,7 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
 
     for c, layout in zip(caches, layouts):
         target._check_ready(c, layout.token_ids)
-    # The forward runs its rows in slot order: a consecutive block of slots is then read as one view
-    # of the cache instead of a gather of every request's K/V (see `StaticKVCache.acquire`).
-    order = sorted(range(len(caches)), key=lambda b: caches[b].slot)
+    order = _slot_order(caches)
     caches, layouts = [caches[b] for b in order], [layouts[b] for b in order]
     prefix_lens = tuple(c.num_tokens for c in caches)
     if all(layout.num_positions == 1 for layout in layouts):  # a plain batch: the roots at their positions
@@ -452,12 +445,25 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
                          slots=tuple(c.slot for c in caches), prefix_lens=prefix_lens,
                          tree_mask=None if tree_mask is None else tree_mask.to(target.device), logits_to_keep=0)
     out = lean.forward(caches[0].kv, batch)
+    for c, layout in zip(caches, layouts):
+        c.num_pending = layout.num_positions
+    return _per_request(out, order, [layout.num_positions for layout in layouts], all_logits=True)
+
+
+def _slot_order(caches: list[TargetCache]) -> list[int]:
+    """The requests in the order of their cache slots, the order a batched forward runs its rows in:
+    a consecutive block of slots is then read as one view of the cache instead of a gather of every
+    request's K/V (see `StaticKVCache.acquire`)."""
+    return sorted(range(len(caches)), key=lambda b: caches[b].slot)
+
+
+def _per_request(out, order: list[int], lengths: list[int], all_logits: bool) -> list[TargetOutput]:
+    """A batched forward's rows (row i = request order[i], its first lengths[i] positions real) as
+    each request's own output, in the callers' order; logits at every position or the one kept."""
     outputs: list[TargetOutput | None] = [None] * len(order)
-    for row, (b, c, layout) in enumerate(zip(order, caches, layouts)):
-        T = layout.num_positions
-        c.num_pending = T
-        outputs[b] = TargetOutput(logits=out.logits[row:row + 1, :T], hidden=out.hidden[row:row + 1, :T],
-                                  expert_ids=out.expert_ids[row:row + 1, :T])
+    for row, (b, n) in enumerate(zip(order, lengths)):
+        outputs[b] = TargetOutput(logits=out.logits[row:row + 1, :n] if all_logits else out.logits[row:row + 1],
+                                  hidden=out.hidden[row:row + 1, :n], expert_ids=out.expert_ids[row:row + 1, :n])
     return outputs
 
 

@@ -376,18 +376,18 @@ class StaticDrafterExtend(_Bucketed):
         return self._call(buf, kv)
 
 
-class DrafterGraphs(StaticDrafterExtend):
-    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use, per drafter
-    K/V buffer (`DrafterGraphStore`). NOT YET RUN ON A GPU."""
+class _StoredGraphs:
+    """What the drafter's graph runners share: their graphs live in a `DrafterGraphStore`."""
 
-    def __init__(self, drafter, buckets: tuple[int, ...], graphs: DrafterGraphStore | None = None):
+    graphs: DrafterGraphStore
+
+    def _attach_store(self, drafter, graphs: DrafterGraphStore | None, eager: str) -> None:
         """`graphs`: the store (default: CUDA capture into a new graph pool; tests of the bookkeeping
-        pass a store with a stand-in capture)."""
+        pass a store with a stand-in capture); `eager` names the runner to use on CPU instead."""
         if graphs is None:
             if not drafter.lm_head.weight.is_cuda:
-                raise ValueError("DrafterGraphs needs a drafter on a CUDA device (use StaticDrafterExtend on CPU)")
+                raise ValueError(f"{type(self).__name__} needs a drafter on a CUDA device (use {eager} on CPU)")
             graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
-        super().__init__(drafter, buckets)
         self.graphs = graphs
 
     @property
@@ -396,6 +396,15 @@ class DrafterGraphs(StaticDrafterExtend):
 
     def _inputs_replaced(self) -> None:
         self.graphs.clear()
+
+
+class DrafterGraphs(_StoredGraphs, StaticDrafterExtend):
+    """`StaticDrafterExtend` with each bucket captured as a CUDA graph on first use, per drafter
+    K/V buffer (`DrafterGraphStore`). NOT YET RUN ON A GPU."""
+
+    def __init__(self, drafter, buckets: tuple[int, ...], graphs: DrafterGraphStore | None = None):
+        self._attach_store(drafter, graphs, "StaticDrafterExtend")
+        super().__init__(drafter, buckets)
 
     def _execute(self, buf: _ExtendBucket, kv: torch.Tensor):
         # Capture's warm-ups write this extension's keys, which the replay writes again (same inputs).
@@ -507,27 +516,15 @@ class StaticDrafterFrontier:
         return self._call(buf, kv)
 
 
-class DrafterFrontierGraphs(StaticDrafterFrontier):
+class DrafterFrontierGraphs(_StoredGraphs, StaticDrafterFrontier):
     """`StaticDrafterFrontier` captured as ONE CUDA graph (the frontier's fixed width) per drafter K/V
     buffer on first use (`DrafterGraphStore`) and replayed for every drafting step after. NOT YET
     RUN ON A GPU."""
 
     def __init__(self, drafter, width: int, graphs: DrafterGraphStore | None = None):
-        """`graphs`: as for `DrafterGraphs`."""
-        if graphs is None:
-            if not drafter.lm_head.weight.is_cuda:
-                raise ValueError("DrafterFrontierGraphs needs a drafter on a CUDA device (use StaticDrafterFrontier on CPU)")
-            graphs = DrafterGraphStore(drafter, torch.cuda.graph_pool_handle())
+        self._attach_store(drafter, graphs, "StaticDrafterFrontier")
         super().__init__(drafter, width)
-        self.graphs = graphs
         self.replays = 0  # drafting steps run from a graph
-
-    @property
-    def captures(self) -> int:
-        return self.graphs.captures
-
-    def _inputs_replaced(self) -> None:
-        self.graphs.clear()
 
     def _execute(self, buf: _FrontierBuffers, kv: torch.Tensor):
         # Capture's warm-ups write this step's keys, which the replay writes again (same inputs).

@@ -137,9 +137,7 @@ class DrafterKVPool:
                 self.allocated += 1
             self.in_use += 1
             self.peak = max(self.peak, self.in_use)
-        if kv is not None:
-            return kv.zero_()
-        return torch.zeros(2, 1, like[0], max(length, 256), like[1], dtype=dtype, device=device)
+        return kv.zero_() if kv is not None else _new_buffer(length, like, dtype, device)
 
     def give(self, kv: torch.Tensor) -> None:
         """Return a buffer no cache uses any more."""
@@ -148,6 +146,11 @@ class DrafterKVPool:
             self._free.append(kv)
             self._free.sort(key=lambda t: t.shape[3], reverse=True)
             del self._free[self.peak:]  # beyond the busiest moment's count, the smallest go
+
+
+def _new_buffer(length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed K/V buffer [2, 1, KVH, capacity, D] of max(length, 256) positions, like = (KVH, D)."""
+    return torch.zeros(2, 1, like[0], max(length, 256), like[1], dtype=dtype, device=device)
 
 
 class _Lease:
@@ -192,10 +195,8 @@ class Eagle3Cache:
         """The buffer, grown (doubling, contents kept) to hold `length` positions."""
         if self.kv is None or self.kv.shape[3] < length:
             capacity = length if self.kv is None else max(length, 2 * self.kv.shape[3])
-            if self.pool is None:
-                kv = torch.zeros(2, 1, num_kv_heads, max(capacity, 256), head_dim, dtype=dtype, device=device)
-            else:
-                kv = self.pool.take(capacity, (num_kv_heads, head_dim), dtype, device)
+            take = _new_buffer if self.pool is None else self.pool.take
+            kv = take(capacity, (num_kv_heads, head_dim), dtype, device)
             if self.kv is not None:
                 kv[:, :, :, :self.num_tokens] = self.kv[:, :, :, :self.num_tokens]
             self._hold(kv)
