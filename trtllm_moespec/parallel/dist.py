@@ -39,6 +39,10 @@ CONTROL_TIMEOUT = _dt.timedelta(days=7)  # workers wait for rank 0's next comman
 _SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 _RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 FAULT_ENV = "MOESPEC_EP_FAULT"
+# MPICH's launcher tears the job down as soon as a rank exits or aborts and may drop stderr it has not
+# forwarded yet: a rank waits this long after its one error line before it ends (the line was seen
+# lost in CI, once for a killed rank's supervisor, once for a rank that raised).
+FORWARD_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,7 @@ def supervise(rank: int) -> None:
         sig = os.WTERMSIG(status)
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         os.write(2, f"moespec: error: rank {rank}: killed by {name}; stopping every rank\n".encode())
-        # MPICH's launcher tears the job down as soon as it sees this process exit and may drop stderr it
-        # has not forwarded yet: give it a moment to forward the line (seen lost in 1 of 2 CI runs).
-        time.sleep(0.5)
+        time.sleep(FORWARD_WAIT_S)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status))
 
@@ -244,6 +246,7 @@ def abort_all(code: int) -> None:
     """End every rank of the job now (MPI_Abort), and this process in any case."""
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(FORWARD_WAIT_S)
     try:
         from mpi4py import MPI
 
