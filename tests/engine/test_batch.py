@@ -123,6 +123,32 @@ def test_plain_batch_steps_run_no_drafter_forward(checkpoints, references_qwen, 
     assert [r.output_ids for r in requests] == references_qwen and calls[0] == 0
 
 
+def test_a_batch_drafts_with_one_drafter_forward_per_drafting_step(checkpoints, monkeypatch):
+    """B requests speculating together: each drafting step is one packed drafter forward for all
+    of them, and their accepted tokens go to the drafter in one more (not B of each)."""
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3", tree=TreeConfig(steps=3, topk=2, max_draft_tokens=6))
+    drafter = llm.engine.draft_source.drafter
+    forwards = [0]
+    fused = drafter._forward_fused
+
+    def counted(*args, **kwargs):
+        forwards[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "_forward_fused", counted)
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS[:3]]
+    engine = BatchedEngine(llm.engine, max_batch_size=3)
+    for r in requests:
+        engine.add(r)
+    engine.step()  # prefills; each request's drafter takes its prompt
+    assert forwards[0] == 3
+    for _ in range(3):
+        forwards[0] = 0
+        outputs, _ = engine.step()
+        assert len(outputs) == 3 and not any(o.finished for o in outputs)
+        assert forwards[0] == 3  # two drafting steps + one commit, for the three requests
+
+
 @pytest.mark.parametrize("schedule", [{6, 7, 12}, {2, 16, 17, 18}, {36, 38, 39}])
 def test_a_drafter_started_late_catches_up_exactly(checkpoints, references_qwen, monkeypatch, schedule):
     """Plain steps first, the drafter started at the batch's first speculative step (prompt prefill,

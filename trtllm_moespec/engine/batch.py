@@ -39,7 +39,7 @@ from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
-from .drafters import Draft, LazyDraftStart, RequestDrafter
+from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
 from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
 from .stats import StepStats
 
@@ -187,7 +187,7 @@ class BatchedEngine:
         t_iter = time.perf_counter()
         speculate = self.guard.speculate(len(running)) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
-        drafts = [self._draft(a) if speculate else None for a in running]
+        drafts = self._draft(running) if speculate else [None] * len(running)
         t_draft = time.perf_counter() - t0
         t0 = time.perf_counter()
         predictions = [self._predict(a, d) for a, d in zip(running, drafts)] if speculate else [(None, None)] * len(running)
@@ -209,6 +209,15 @@ class BatchedEngine:
         results = [self._finish(a, d, experts, n, layout, out, result)
                    for a, d, (experts, _), n, layout, out, result
                    in zip(running, drafts, predictions, node_idx, layouts, outs, checked)]
+        t0 = time.perf_counter()
+        if speculate:  # the drafters take their accepted tokens in one packed forward (finished requests' need not)
+            live = [(a.drafter, r.result, out) for a, r, out in zip(running, results, outs) if not r.finished]
+            if live:
+                commit_all(*(list(x) for x in zip(*live)))
+        else:  # a plain step: (bonus token, hidden of the root) waits for each drafter's next draft
+            for a, r, out in zip(running, results, outs):
+                a.drafter.defer(r.result, out)
+        t_commit_drafts = (time.perf_counter() - t0) / len(running)
         iter_s = time.perf_counter() - t_iter
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
@@ -221,19 +230,21 @@ class BatchedEngine:
                       step_ms=step_s * 1e3)  # every request waited for the whole batch stage
         outputs = []
         for r in results:
-            stats = StepStats(**r.parts, **shared, draft_ms=(t_draft + r.draft_s) * 1e3,
+            stats = StepStats(**r.parts, **shared, draft_ms=(t_draft + t_commit_drafts) * 1e3,
                               verify_ms=(t_target + t_roots + r.verify_s) * 1e3)
             r.request.steps.append(stats)
             outputs.append(BatchStepOutput(r.request, r.new_ids, r.finished, stats))
         return outputs, batch_experts
 
     # ------------------------------------------------------------------ stages
-    def _draft(self, active: _Active) -> Draft:
-        request = active.request
-        context = request.prompt_ids + request.output_ids
-        draft = active.drafter.draft(context, self.target.device)  # starts a lazily started drafter first
-        remaining = request.max_tokens - len(request.output_ids)
-        return Draft(limit_depth(draft.tree, remaining - 1), draft.node_hidden)  # deeper nodes could never be emitted
+    def _draft(self, running: list[_Active]) -> list[Draft]:
+        """Every request's draft, the drafter forwards of all of them packed together (`draft_all`;
+        a lazily started drafter starts first), each cut to the depth its request can still emit."""
+        requests = [a.request for a in running]
+        drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
+                           self.target.device)
+        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
+                for d, r in zip(drafts, requests)]
 
     def _predict(self, active: _Active, draft: Draft):
         request = active.request
@@ -286,7 +297,7 @@ class BatchedEngine:
     def _finish(self, active: _Active, draft: Draft | None, experts, node_idx: torch.Tensor, layout: TreeLayout,
                 out: TargetOutput, result: VerifyResult | None = None):
         """Acceptance rule (unless `result` already holds it), commit and the step's own stats for one
-        request (exactly as `SpecEngine._step`)."""
+        request (as `SpecEngine._step`; the drafter's commit follows for the whole batch in `_iterate`)."""
         request, engine = active.request, self.engine
         t0 = time.perf_counter()
         if result is None:
@@ -297,12 +308,6 @@ class BatchedEngine:
         t0 = time.perf_counter()
         self.target.commit(active.cache, result.accepted_pos[0])
         t_commit = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if draft is None:  # a plain step: (bonus token, hidden of the root) waits for the drafter's next draft
-            active.drafter.defer(result, out)
-        else:
-            active.drafter.commit(result, out)
-        t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         before = len(request.output_ids)
         finished = engine._append(request, emitted)
@@ -312,7 +317,7 @@ class BatchedEngine:
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
-        return _Finished(request, request.output_ids[before:], finished, parts, t_draft, t_verify)
+        return _Finished(request, request.output_ids[before:], finished, parts, result, t_verify)
 
 
 def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[TargetOutput]) -> list[VerifyResult]:
@@ -340,7 +345,7 @@ class _Finished:
     new_ids: list[int]
     finished: bool
     parts: dict  # the request's own StepStats fields (see `_finish`)
-    draft_s: float  # its own drafter work (the batch's drafting stage is added)
+    result: VerifyResult  # its acceptance, for its drafter's commit
     verify_s: float  # its own acceptance rule (the batch's forward is added)
 
 

@@ -14,7 +14,7 @@ import torch
 from ..core.tree import DraftTree
 from ..core.verify import VerifyResult
 from ..models.cuda_graphs import GraphCaptureError, warn_fallback
-from ..models.eagle3_draft import draft_eagle3_tree
+from ..models.eagle3_draft import draft_eagle3_tree, draft_eagle3_trees
 from ..models.target import TargetOutput
 
 
@@ -101,16 +101,30 @@ class Eagle3Source:
         return Eagle3State(cache)
 
     def draft(self, state: "Eagle3State", context: list[int], device: torch.device) -> Draft:
-        self._catch_up(state)
-        rule = self.stop_rule
-        if rule is not None and state.node_values is not None:
-            rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
-        expand = None if rule is None else _should_expand(rule)
+        self._catch_up([state])
+        expand = self._expand_rule(state)
         if self.frontier_runner is None:
             out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
         else:
             out = self._draft_static(state.cache, expand)
         return Draft(out.tree, out.node_hidden)
+
+    def draft_batch(self, states: list["Eagle3State"], contexts: list[list[int]], device: torch.device) -> list[Draft]:
+        """`draft` for a batch's requests with their drafter forwards packed: one catch-up forward, then
+        one forward per drafting step for all of them (`draft_eagle3_trees`). With a static frontier runner
+        (CUDA graphs of one request's frontier), request by request."""
+        if self.frontier_runner is not None or len(states) == 1:
+            return [self.draft(s, c, device) for s, c in zip(states, contexts)]
+        self._catch_up(states)
+        outs = draft_eagle3_trees(self.drafter, [s.cache for s in states], self.steps, self.topk, self.ddd_threshold,
+                                  [self._expand_rule(s) for s in states])
+        return [Draft(out.tree, out.node_hidden) for out in outs]
+
+    def _expand_rule(self, state: "Eagle3State") -> Callable[[DraftTree, torch.Tensor], bool] | None:
+        rule = self.stop_rule
+        if rule is not None and state.node_values is not None:
+            rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
+        return None if rule is None else _should_expand(rule)
 
     def _draft_static(self, cache, expand):
         """Draft through the frontier runner; if its graph cannot be captured, warn once, drop it and
@@ -124,8 +138,21 @@ class Eagle3Source:
             return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
-        self._catch_up(state)
-        self._extend(state.cache, *self.drafter.commit_pairs(result.accepted_pos[0], result.emitted_ids[0], verify.hidden))
+        self.commit_batch([state], [result], [verify])
+
+    def commit_batch(self, states: list["Eagle3State"], results: list[VerifyResult], verifies: list[TargetOutput]) -> None:
+        """Append each request's accepted tokens and bonus token to its drafter cache: one packed
+        forward for all of them (without a static extension runner)."""
+        self._catch_up(states)
+        pairs = [self.drafter.commit_pairs(r.accepted_pos[0], r.emitted_ids[0], v.hidden) for r, v in zip(results, verifies)]
+        self._extend_all([s.cache for s in states], [ids for ids, _ in pairs], [hidden for _, hidden in pairs])
+
+    def _extend_all(self, caches: list, token_ids: list[torch.Tensor], target_hidden: list[torch.Tensor]) -> None:
+        if self.extend_runner is None and len(caches) > 1:
+            self.drafter.extend_packed(caches, token_ids, target_hidden)
+            return
+        for cache, ids, hidden in zip(caches, token_ids, target_hidden):
+            self._extend(cache, ids, hidden)
 
     def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
         """Append drafter positions through the static runner when the extension fits its buckets."""
@@ -158,13 +185,17 @@ class Eagle3Source:
         state.pending_ids.append(result.emitted_ids[0, :1])  # [1]
         state.pending_hidden.append(root_hidden[0])  # [1, 3H] the root position
 
-    def _catch_up(self, state: "Eagle3State") -> None:
-        if state.pending_ids:
-            ids = torch.cat(state.pending_ids)[None]  # [1, n]
-            hidden = torch.cat(state.pending_hidden)[None]  # [1, n, 3H]
-            state.pending_ids.clear()
-            state.pending_hidden.clear()
-            self._extend(state.cache, ids, hidden)
+    def _catch_up(self, states: list["Eagle3State"]) -> None:
+        """Feed the requests' deferred plain steps to their drafter caches (one forward for all)."""
+        behind = [s for s in states if s.pending_ids]
+        if not behind:
+            return
+        ids = [torch.cat(s.pending_ids)[None] for s in behind]  # [1, n_b]
+        hidden = [torch.cat(s.pending_hidden)[None] for s in behind]  # [1, n_b, 3H]
+        for s in behind:
+            s.pending_ids.clear()
+            s.pending_hidden.clear()
+        self._extend_all([s.cache for s in behind], ids, hidden)
 
 
 def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
@@ -206,6 +237,27 @@ class NgramSource:
 
     def defer(self, state, result: VerifyResult, root_hidden: torch.Tensor) -> None:
         return None  # prompt lookup reads the context: nothing to catch up
+
+
+def draft_all(drafters: list["RequestDrafter"], contexts: list[list[int]], device: torch.device) -> list[Draft]:
+    """Every request's draft (a batch step's; all share one source): in one call when the source
+    drafts a batch together (`draft_batch`), else request by request."""
+    for d in drafters:
+        d._start()
+    source = drafters[0].source
+    if hasattr(source, "draft_batch"):
+        return source.draft_batch([d.state for d in drafters], contexts, device)
+    return [source.draft(d.state, c, device) for d, c in zip(drafters, contexts)]
+
+
+def commit_all(drafters: list["RequestDrafter"], results: list[VerifyResult], verifies: list[TargetOutput]) -> None:
+    """Every request's drafter commit after a batch's speculative step, together when the source can."""
+    source = drafters[0].source
+    if hasattr(source, "commit_batch"):
+        source.commit_batch([d.state for d in drafters], results, verifies)
+        return
+    for d, result, verify in zip(drafters, results, verifies):
+        d.commit(result, verify)
 
 
 class RequestDrafter:

@@ -102,6 +102,16 @@ class Eagle3Output:
     values: torch.Tensor  # [B, KVH, T, D]
 
 
+@dataclass(frozen=True)
+class PackedSegment:
+    """One request's rows in a packed drafter forward (`Eagle3Drafter.forward_packed`)."""
+
+    cache_kv: torch.Tensor  # [2, 1, KVH, capacity, D] the request's buffer; its rows' keys go to start..start+length
+    start: int  # positions before these rows that they attend to (committed ones, then tree slots)
+    length: int  # rows T_b
+    attention_mask: torch.Tensor | None = None  # [1, 1, T_b, start + T_b] additive; None: causal after `start`
+
+
 class DrafterKVPool:
     """Drafter K/V buffers [2, 1, KVH, capacity, D] reused across requests.
 
@@ -337,14 +347,7 @@ class Eagle3Drafter(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        embeds = F.embedding(input_ids, self.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
-        embeds = embeds.to(self.fc.weight.dtype)
-        h = hidden_states.to(self.fc.weight.dtype)
-        if h.shape[-1] == self.fc.in_features:
-            h = F.linear(h, self.fc.weight)
-        elif h.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states width {h.shape[-1]} is neither 3*target_hidden_size "
-                             f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
+        embeds, h = self._inputs(hidden_states, input_ids, inputs_embeds)
         B, T, _ = h.shape
         S = cache_start if cache_kv is not None else (0 if past_kv is None else past_kv[0].shape[2])
         # 1 + the largest position when known on the host (see _rope_cos_sin): a position never passes
@@ -369,6 +372,40 @@ class Eagle3Drafter(nn.Module):
         logits = F.linear(_rms(h, self.norm.weight, eps), self.lm_head.weight).float()
         return Eagle3Output(logits=logits, hidden=h, keys=keys, values=values)
 
+    def _inputs(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None,
+                inputs_embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token embeddings, h [B, T, H]) in the drafter's dtype; target features are projected by fc."""
+        embeds = F.embedding(input_ids, self.embed_tokens.weight) if inputs_embeds is None else inputs_embeds
+        embeds = embeds.to(self.fc.weight.dtype)
+        h = hidden_states.to(self.fc.weight.dtype)
+        if h.shape[-1] == self.fc.in_features:
+            h = F.linear(h, self.fc.weight)
+        elif h.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states width {h.shape[-1]} is neither 3*target_hidden_size "
+                             f"({self.fc.in_features}) nor hidden_size ({self.config.hidden_size})")
+        return embeds, h
+
+    @torch.no_grad()
+    def forward_packed(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       segments: "list[PackedSegment]") -> Eagle3Output:
+        """Several requests' positions in one inference forward: hidden_states [1, R, 3*H_target or H],
+        input_ids and position_ids [1, R], where segment b owns the next `segments[b].length` rows.
+        Every row-wise op (norms, matmuls, the lm_head) runs once over all R rows: on this machine a
+        forward over 64 rows costs about 4 over 8 (bound by reading the weights). Attention runs per
+        segment, over that request's own buffer, written in place as `forward` does with cache_kv.
+        A row's outputs are what `forward` gives it alone, up to matmul rounding (a GEMM may round a
+        row differently with the number of rows it is given)."""
+        if sum(seg.length for seg in segments) != input_ids.shape[1]:
+            raise ValueError(f"the segments cover {sum(seg.length for seg in segments)} rows, the inputs "
+                             f"{input_ids.shape[1]}")
+        if len(segments) == 1:
+            seg = segments[0]
+            return self(hidden_states, input_ids=input_ids, position_ids=position_ids,
+                        attention_mask=seg.attention_mask, cache_kv=seg.cache_kv, cache_start=seg.start)
+        embeds, h = self._inputs(hidden_states, input_ids, None)
+        bound = max(seg.start + seg.length for seg in segments)  # no position passes its own key slot
+        return self._forward_fused(embeds, h, position_ids, None, None, None, 0, bound, segments)
+
     def _attention(self, x, position_ids, attention_mask, past_kv, cache_kv=None, start: int = 0,
                    rope_bound: int | None = None):
         a = self.midlayer.self_attn
@@ -385,6 +422,24 @@ class Eagle3Drafter(nn.Module):
         """Attention of q [B, Hq, T, D] over the past keys/values and k, v [B, KVH, T, D] (written into
         cache_kv at start.. when given), then o_proj -> ([B, T, H], k, v). attention_mask None: causal,
         only used with no past positions (SDPA's causal mask is aligned top-left)."""
+        out = self._sdpa(q, k, v, attention_mask, past_kv, cache_kv, start)
+        return F.linear(out, self.midlayer.self_attn.o_proj.weight), k, v
+
+    def _attend_packed(self, q, k, v, segments: "list[PackedSegment]"):
+        """`_attend` of packed rows [1, heads, R, D]: each segment's rows over its own buffer and
+        mask (None: causal after its `start` positions, as `forward` defaults), one o_proj for all."""
+        outs, row = [], 0
+        for seg in segments:
+            rows = slice(row, row + seg.length)
+            mask = seg.attention_mask
+            if mask is None and (seg.start > 0 or seg.length == 1):
+                mask = causal_mask(seg.start, seg.length, q.dtype, q.device)
+            outs.append(self._sdpa(q[:, :, rows], k[:, :, rows], v[:, :, rows], mask, None, seg.cache_kv, seg.start))
+            row += seg.length
+        return F.linear(torch.cat(outs, dim=1), self.midlayer.self_attn.o_proj.weight), k, v
+
+    def _sdpa(self, q, k, v, attention_mask, past_kv, cache_kv, start: int) -> torch.Tensor:
+        """`_attend` before o_proj: [B, T, Hq * D]."""
         a = self.midlayer.self_attn
         B, _, T, _ = q.shape
         if cache_kv is not None:  # write in place, read the prefix and this forward's keys as views
@@ -397,13 +452,13 @@ class Eagle3Drafter(nn.Module):
         mask = None if attention_mask is None else attention_mask.to(q.dtype)
         out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, is_causal=attention_mask is None,
                                              enable_gqa=a.num_heads != a.num_kv_heads)
-        out = F.linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), a.o_proj.weight)
-        return out, k, v
+        return out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim)
 
     def _forward_fused(self, embeds, h, position_ids, attention_mask, past_kv, cache_kv, start: int,
-                       rope_bound: int | None = None) -> Eagle3Output:
+                       rope_bound: int | None = None, segments: "list[PackedSegment] | None" = None) -> Eagle3Output:
         """The layer with q/k/v in one matmul, gate/up in one matmul, both input norms in one and rotary
-        on q and k together (same math as the unfused path; per-op overhead dominates at these sizes)."""
+        on q and k together (same math as the unfused path; per-op overhead dominates at these sizes).
+        With `segments` the rows are packed requests (`forward_packed`)."""
         fused, eps = self._fused_weights(), self.config.rms_norm_eps
         a = self.midlayer.self_attn
         B, T, H = h.shape
@@ -417,7 +472,10 @@ class Eagle3Drafter(nn.Module):
         q = qk[:, :, :a.num_heads].transpose(1, 2)
         k = qk[:, :, a.num_heads:].transpose(1, 2)
         v = qkv[:, :, a.num_heads + a.num_kv_heads:].transpose(1, 2)
-        attn, keys, values = self._attend(q, k, v, attention_mask, past_kv, cache_kv, start)
+        if segments is None:
+            attn, keys, values = self._attend(q, k, v, attention_mask, past_kv, cache_kv, start)
+        else:
+            attn, keys, values = self._attend_packed(q, k, v, segments)
         h = h + attn
         gate, up = F.linear(_rms(h, fused.post_attention_norm, eps), fused.gate_up).chunk(2, dim=-1)
         h = h + F.linear(self.midlayer.mlp.act_fn(gate) * up, fused.down)
@@ -547,6 +605,32 @@ class Eagle3Drafter(nn.Module):
         out = self(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), cache_kv=kv, cache_start=S)
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
+
+    @torch.no_grad()
+    def extend_packed(self, caches: list[Eagle3Cache], token_ids: list[torch.Tensor],
+                      target_hidden: list[torch.Tensor]) -> None:
+        """`extend` of several requests' caches (token_ids[b] [1, n_b], target_hidden[b] [1, n_b, 3H]) in
+        one packed forward (`forward_packed`)."""
+        for ids, hidden in zip(token_ids, target_hidden):
+            if ids.dim() != 2 or ids.shape[0] != 1 or hidden.shape[:2] != ids.shape:
+                raise ValueError(f"extend expects token_ids [1, n] and target_hidden [1, n, 3H], got "
+                                 f"{tuple(ids.shape)} and {tuple(hidden.shape)}")
+        items = [(c, ids, hidden) for c, ids, hidden in zip(caches, token_ids, target_hidden) if ids.shape[1]]
+        if len(items) <= 1:
+            for c, ids, hidden in items:
+                self.extend(c, ids, hidden)
+            return
+        a, w = self.midlayer.self_attn, self.lm_head.weight
+        segments = [PackedSegment(c.reserve(c.num_tokens + ids.shape[1], a.num_kv_heads, a.head_dim, w.dtype, w.device),
+                                  c.num_tokens, ids.shape[1]) for c, ids, _ in items]
+        positions = torch.cat([torch.arange(seg.start, seg.start + seg.length, device=w.device) for seg in segments])
+        out = self.forward_packed(torch.cat([hidden.to(w.device) for _, _, hidden in items], dim=1),
+                                  torch.cat([ids.to(w.device) for _, ids, _ in items], dim=1), positions[None], segments)
+        end = 0
+        for (c, _, _), seg in zip(items, segments):
+            end += seg.length
+            c.num_tokens = seg.start + seg.length
+            c.last_logits, c.last_hidden = out.logits[:, end - 1], out.hidden[:, end - 1]
 
     def prefill(self, cache: Eagle3Cache, input_ids: torch.Tensor, target_hidden: torch.Tensor, next_token: int) -> None:
         """After the target prefilled input_ids [1, T] (hidden [1, T, 3H]) and `next_token` (the

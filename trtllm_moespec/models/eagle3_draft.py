@@ -27,6 +27,7 @@ import torch
 
 from ..core.policies import ddd_should_stop
 from ..core.tree import DraftTree, TreeBuffer
+from .eagle3 import PackedSegment
 
 if TYPE_CHECKING:
     from .cuda_graphs import StaticDrafterFrontier
@@ -63,57 +64,125 @@ def draft_eagle3_tree(
     CUDA graph `DrafterFrontierGraphs`) runs each step's forward with static shapes instead of
     `Eagle3Drafter.forward`; the tree and everything around the forward stay the same.
     """
+    return draft_eagle3_trees(drafter, [cache], steps, topk, ddd_threshold, [should_expand], frontier_runner)[0]
+
+
+@torch.no_grad()
+def draft_eagle3_trees(
+    drafter: "Eagle3Drafter",
+    caches: "list[Eagle3Cache]",
+    steps: int,
+    topk: int,
+    ddd_threshold: float | None = None,
+    should_expand: "list[ExpandRule | None] | None" = None,
+    frontier_runner: "StaticDrafterFrontier | None" = None,
+) -> list[Eagle3Draft]:
+    """`draft_eagle3_tree` for several requests in lockstep: each drafting step runs ONE drafter
+    forward over every still-expanding request's frontier (`Eagle3Drafter.forward_packed`), and
+    one softmax/top-k over all their rows, instead of one of each per request. Each request keeps
+    its own tree, masks, stop rule (`should_expand[b]`) and key slots in its own buffer; a request
+    that stops expanding drops out of the later steps. A static `frontier_runner` drafts one request."""
     if steps < 1 or topk < 1:
         raise ValueError(f"steps and topk must be >= 1, got steps={steps}, topk={topk}")
-    if cache.last_logits is None:
-        raise ValueError("the drafter cache is empty: call prefill()/extend() before draft_tree()")
+    if frontier_runner is not None and len(caches) != 1:
+        raise ValueError("a static frontier runner drafts one request at a time")
     topk = min(topk, drafter.config.draft_vocab_size)
-    S = cache.num_tokens
-    attn = drafter.midlayer.self_attn
-    max_slots = (steps - 1) * topk  # tree keys: one per expanded node, written after the committed ones
     # a static runner pads the last frontier to its width: room for the padded rows' keys too
     pad = 0 if frontier_runner is None else max(frontier_runner.width - topk, 0)
-    kv = cache.reserve(S + max_slots + pad, attn.num_kv_heads, attn.head_dim, cache.last_hidden.dtype, cache.last_hidden.device)
-    device, capacity = kv.device, topk + max_slots * topk
-
-    ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
-    nodes = TreeBuffer(1, capacity, device)
-    frontier = nodes.add_root(ids[:, 0], probs[:, 0])
-    node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
-    node_hidden[0, :topk] = cache.last_hidden[0]
-    masks = _TreeMasks(S, max_slots, capacity, topk, kv.dtype, device)
-    num_slots = num_forwards = 0
-    # [steps - 1, topk] view: row `step` holds position S + step (one op for the whole draft)
-    positions = torch.arange(S, S + max(steps - 1, 0), device=device)[:, None].expand(max(steps - 1, 0), topk)
+    trees = [_TreeDraft(drafter, cache, steps, topk, pad) for cache in caches]
+    rules = should_expand if should_expand is not None else [None] * len(trees)
     for step in range(steps - 1):
-        f = _valid(frontier[0])
-        F_ = f.numel()
-        if F_ == 0:
+        active = [t for t, rule in zip(trees, rules) if t.expands(ddd_threshold, rule)]
+        if not active:
             break
-        if ddd_threshold is not None and bool(ddd_should_stop(nodes.tree().scores[:, f], ddd_threshold)[0]):
-            break
-        if should_expand is not None and not should_expand(nodes.tree(), f):
-            break
-        n = nodes.num_nodes
-        if frontier_runner is None:
-            out = drafter(
-                node_hidden.index_select(1, f),  # the hidden of the forward that proposed each frontier node
-                input_ids=nodes.token_ids.index_select(1, f),
-                position_ids=positions[step:step + 1, :F_],  # S - 1 + depth
-                attention_mask=masks.frontier(f, num_slots),
-                cache_kv=kv,
-                cache_start=S + num_slots,
-            )
+        if len(active) > 1:
+            hidden, ids = zip(*(t.inputs() for t in active))
+            out = drafter.forward_packed(torch.cat(hidden, dim=1), torch.cat(ids, dim=1),
+                                         torch.cat([t.positions[step:step + 1, :t.width] for t in active], dim=1),
+                                         [t.segment() for t in active])
+        elif frontier_runner is None:
+            t = active[0]
+            hidden, ids = t.inputs()
+            out = drafter(hidden, input_ids=ids, position_ids=t.positions[step:step + 1, :t.width],
+                          attention_mask=t.mask(), cache_kv=t.kv, cache_start=t.start + t.num_slots)
         else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
-            out = frontier_runner.run(kv, node_hidden.index_select(1, f), nodes.token_ids.index_select(1, f),
-                                      S + step, S + num_slots, masks.frontier(f, num_slots))
-        num_forwards += 1
-        ids, probs = _top_children(drafter, out.logits, topk)  # [1, F, topk]
-        frontier = nodes.grow(f[None], ids, probs, topk, dense=True)
-        masks.add_children(n, F_, topk, num_slots)
-        node_hidden[0, n:n + F_ * topk].view(F_, topk, -1).copy_(out.hidden[0, :, None])
-        num_slots += F_
-    return Eagle3Draft(tree=nodes.tree(), node_hidden=node_hidden[:, :nodes.num_nodes], num_forwards=num_forwards)
+            t = active[0]
+            out = frontier_runner.run(t.kv, *t.inputs(), t.start + step, t.start + t.num_slots, t.mask())
+        ids, probs = _top_children(drafter, out.logits, topk)  # [1, sum F, topk]
+        if len(active) == 1:
+            active[0].grow(ids, probs, out.hidden)
+            continue
+        row = 0
+        for t in active:
+            rows = slice(row, row + t.width)
+            t.grow(ids[:, rows], probs[:, rows], out.hidden[:, rows])
+            row += t.width
+    return [t.result() for t in trees]
+
+
+class _TreeDraft:
+    """One request's tree while it is drafted: its nodes, masks, per-node hiddens and frontier.
+
+    Frontier node v feeds (embed(token v), hidden of the forward that proposed v) at position
+    `S - 1 + depth(v)`, and its key goes to the next free tree slot after the S committed keys.
+    """
+
+    def __init__(self, drafter: "Eagle3Drafter", cache: "Eagle3Cache", steps: int, topk: int, pad: int):
+        if cache.last_logits is None:
+            raise ValueError("the drafter cache is empty: call prefill()/extend() before draft_tree()")
+        self.drafter, self.topk, self.start = drafter, topk, cache.num_tokens
+        attn = drafter.midlayer.self_attn
+        max_slots = (steps - 1) * topk  # tree keys: one per expanded node, written after the committed ones
+        self.kv = cache.reserve(self.start + max_slots + pad, attn.num_kv_heads, attn.head_dim,
+                                cache.last_hidden.dtype, cache.last_hidden.device)
+        device, capacity = self.kv.device, topk + max_slots * topk
+        ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
+        self.nodes = TreeBuffer(1, capacity, device)
+        self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
+        self.node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
+        self.node_hidden[0, :topk] = cache.last_hidden[0]
+        self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
+        self.num_slots = self.num_forwards = 0
+        # [steps - 1, topk] view: row `step` holds position S + step (one op for the whole draft)
+        self.positions = torch.arange(self.start, self.start + max(steps - 1, 0), device=device)[:, None].expand(
+            max(steps - 1, 0), topk)
+        self.stopped = False
+        self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded
+        self.width = 0  # F
+
+    def expands(self, ddd_threshold: float | None, should_expand: ExpandRule | None) -> bool:
+        """Whether this request's frontier is expanded at this step (once it stops, it stays stopped)."""
+        if self.stopped:
+            return False
+        f = _valid(self.frontier[0])
+        self.stopped = (f.numel() == 0
+                        or (ddd_threshold is not None and bool(ddd_should_stop(self.nodes.tree().scores[:, f], ddd_threshold)[0]))
+                        or (should_expand is not None and not should_expand(self.nodes.tree(), f)))
+        self.f, self.width = f, f.numel()
+        return not self.stopped
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden of the forward that proposed each frontier node [1, F, H], their tokens [1, F])."""
+        return self.node_hidden.index_select(1, self.f), self.nodes.token_ids.index_select(1, self.f)
+
+    def mask(self) -> torch.Tensor:
+        return self.masks.frontier(self.f, self.num_slots)
+
+    def segment(self) -> PackedSegment:
+        return PackedSegment(self.kv, self.start + self.num_slots, self.width, self.mask())
+
+    def grow(self, ids: torch.Tensor, probs: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Add the frontier's top-k children (ids, probs [1, F, topk]; hidden [1, F, H] of this forward)."""
+        n, F_ = self.nodes.num_nodes, self.width
+        self.num_forwards += 1
+        self.frontier = self.nodes.grow(self.f[None], ids, probs, self.topk, dense=True)
+        self.masks.add_children(n, F_, self.topk, self.num_slots)
+        self.node_hidden[0, n:n + F_ * self.topk].view(F_, self.topk, -1).copy_(hidden[0, :, None])
+        self.num_slots += F_
+
+    def result(self) -> Eagle3Draft:
+        return Eagle3Draft(tree=self.nodes.tree(), node_hidden=self.node_hidden[:, :self.nodes.num_nodes],
+                           num_forwards=self.num_forwards)
 
 
 def _valid(frontier: torch.Tensor) -> torch.Tensor:
