@@ -11,11 +11,15 @@ by one and together is timed beside each other.
 
     python -m benchmarks.bench_batch_steps [--batch-sizes 1,2,4,8] [--methods ar,joint,joint-batch,evict-batch]
         [--tokens 128] [--repeats 10] [--json PATH]
+
+`eagle3` (unguarded, it speculates every step) against `eagle3-one-by-one`, the same with its batch's
+drafter forwards run request by request instead of packed, measures batched drafting.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -26,7 +30,29 @@ import torch
 from benchmarks.bench_engine import _context_ids
 
 PROMPT_TOKENS = 96
-POLICY = {"ar": "ar", "joint": "joint", "joint-batch": "joint", "evict-batch": "evict"}
+POLICY = {"ar": "ar", "joint": "joint", "joint-batch": "joint", "evict-batch": "evict", "eagle3": "eagle3",
+          "eagle3-one-by-one": "eagle3"}
+
+
+class _OneByOne:
+    """A loaded draft source without its batch methods: a batch's requests draft and commit one after
+    another, as before the drafter forwards were packed (the ablation of `eagle3-one-by-one`)."""
+
+    def __init__(self, source):
+        self._source = source
+
+    def __getattr__(self, name: str):
+        if name in ("draft_batch", "commit_batch"):
+            raise AttributeError(name)
+        return getattr(self._source, name)
+
+
+def _engine(llm, method: str):
+    if method != "eagle3-one-by-one":
+        return llm.engine
+    engine = copy.copy(llm.engine)
+    engine.draft_source = _OneByOne(engine.draft_source)
+    return engine
 
 
 def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int]:
@@ -82,7 +108,7 @@ def main(argv=None) -> dict:
     llms = {p: LLM("moespec-tiny", policy=p) for p in {POLICY[m] for m in methods}}
     ids = _context_ids(llms["ar"], PROMPT_TOKENS)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    engines = {(m, b): BatchedEngine(llms[POLICY[m]].engine, b, batch_policy=m if m.endswith("-batch") else None)
+    engines = {(m, b): BatchedEngine(_engine(llms[POLICY[m]], m), b, batch_policy=m if m.endswith("-batch") else None)
                for m in methods for b in sizes}
     for (m, b), engine in engines.items():  # warm-up (and each guard's first measurements)
         _run(llms[POLICY[m]], engine, ids, b, params)

@@ -3,12 +3,14 @@
     step():  new requests: prefill (one forward each) -> first token
              running requests: speculate or not, for the whole batch (the goodput guard of a
                batch policy, decided before any drafting; plain: no drafter forward)
-               -> draft + predict per request
+               -> draft (every request's drafter forwards packed: one per drafting step for the
+                  whole batch, `Eagle3Source.draft_batch`) + predict per request
                -> select (each request's own policy, or a batch policy across the batch:
                   joint-batch, evict-batch, ecospec-batch)
                -> one target forward over all roots + selected nodes: ragged trees padded to
                   the longest, per-request positions, tree masks and static-cache slots
-               -> per request: acceptance rule, in-place commit in its slot, drafter commit
+               -> per request: acceptance rule, in-place commit in its slot; then the drafters
+                  take their accepted tokens in one packed forward
 
 Why each request is unchanged by its neighbours (greedy output identical to running it
 alone, sampling distribution unchanged): the forward sees request b's keys only in b's
