@@ -213,9 +213,9 @@ class BatchedEngine:
                    in zip(running, drafts, predictions, node_idx, layouts, outs, checked)]
         t0 = time.perf_counter()
         if speculate:  # the drafters take their accepted tokens in one packed forward (finished requests' need not)
-            live = [(a.drafter, r.result, out) for a, r, out in zip(running, results, outs) if not r.finished]
+            live = [b for b, r in enumerate(results) if not r.finished]
             if live:
-                commit_all(*(list(x) for x in zip(*live)))
+                commit_all([running[b].drafter for b in live], [results[b].result for b in live], [outs[b] for b in live])
         else:  # a plain step: (bonus token, hidden of the root) waits for each drafter's next draft
             for a, r, out in zip(running, results, outs):
                 a.drafter.defer(r.result, out)
