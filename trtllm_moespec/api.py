@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .core.cost import CostTable
+from .core.logprobs import MAX_LOGPROBS, TokenLogprob
 from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
@@ -48,10 +49,15 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed; None = nondeterministic
     stop: tuple[str, ...] | str | None = None  # stop strings (excluded from the output)
     ignore_eos: bool = False
+    # Report each output token's logprob under the target (raw logits: before temperature, top-k and top-p)
+    # and this many most likely alternatives (0: none); None: off. RequestOutput.logprobs holds them.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             # torch.Generator.manual_seed takes 64 bits; a larger seed used to fail only after the model loaded
             raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
@@ -85,6 +91,14 @@ class RequestOutput:
     finish_reason: str  # "length" | "stop"
     stats: GenerationStats
     steps: tuple[StepStats, ...] = ()  # per-iteration records
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids when SamplingParams.logprobs is set
+
+    @staticmethod
+    def of(request: Request, text: str) -> "RequestOutput":
+        """The output of a finished engine request whose tokens decode to `text`."""
+        return RequestOutput(list(request.prompt_ids), list(request.output_ids), text, request.finish_reason or "length",
+                             request.stats(), tuple(request.steps),
+                             None if request.logprobs is None else tuple(request.output_logprobs))
 
 
 @dataclass(frozen=True)
@@ -260,9 +274,7 @@ class LLM:
         for new in self.engine.run(request):
             yield StreamEvent(list(new), text.push(request.output_ids))
         rest = text.finish(request.output_ids)
-        out = RequestOutput(list(ids), list(request.output_ids), text.sent, request.finish_reason or "length",
-                            request.stats(), tuple(request.steps))
-        yield StreamEvent([], rest, out)
+        yield StreamEvent([], rest, RequestOutput.of(request, text.sent))
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step)."""
@@ -274,7 +286,8 @@ class LLM:
             raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
         generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
-        return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params))
+        return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
+                       logprobs=params.logprobs)
 
     def _stop_check(self, params: SamplingParams):
         if not params.stop:

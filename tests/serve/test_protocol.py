@@ -43,7 +43,10 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "n": 2}, "n"),
-    ({"prompt": "a", "logprobs": 3}, "logprobs"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "logprobs": 2, "stream": True}, "logprobs"),
+    ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": [1, "a"]}, "prompt"),
@@ -53,6 +56,29 @@ def test_chat_defaults_to_the_rest_of_the_context():
 def test_bad_completion_fields_name_the_field(body, param):
     with pytest.raises(BadRequest) as e:
         parse_completion(body)
+    assert e.value.param == param
+
+
+def test_logprobs_map_to_the_number_of_alternatives():
+    assert parse_completion({"prompt": "a"}).params.logprobs is None
+    assert parse_completion({"prompt": "a", "logprobs": 0}).params.logprobs == 0
+    assert parse_completion({"prompt": "a", "logprobs": 5}).params.logprobs == 5
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat(chat).params.logprobs is None
+    assert parse_chat({**chat, "logprobs": True}).params.logprobs == 0
+    assert parse_chat({**chat, "logprobs": True, "top_logprobs": 3}).params.logprobs == 3
+    assert parse_chat({**chat, "logprobs": False, "top_logprobs": 0}).params.logprobs is None
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # OpenAI: top_logprobs needs logprobs=true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": True, "stream": True}, "logprobs"),
+])
+def test_bad_chat_logprobs_name_the_field(extra, param):
+    with pytest.raises(BadRequest) as e:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
     assert e.value.param == param
 
 

@@ -104,6 +104,36 @@ def test_seeded_sampling_is_reproducible_and_equals_the_single_request(tiny_llm)
     assert [r.json()["choices"][0]["text"] for r in responses] == [expected] * 3
 
 
+def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
+    """Completions (two prompts in one request, batched with a chat request) and chat: each token's
+    logprob and alternatives equal `LLM.generate`'s alone, in OpenAI's two shapes."""
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)
+    want = tiny_llm.generate(PROMPTS[:2], greedy)
+    messages = [{"role": "user", "content": "sort"}]
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/completions", json={"prompt": PROMPTS[:2], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                     "logprobs": 2}),
+                client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS,
+                                                          "temperature": 0, "logprobs": True, "top_logprobs": 1}))
+
+    with ServerThread(tiny_llm, max_batch_size=3, chat_template=TEMPLATE) as server:
+        completion, chat = (r.json() for r in _run(clients(server.url)))
+    decode = tiny_llm._decode
+    for choice, out in zip(completion["choices"], want):
+        lp = choice["logprobs"]
+        assert choice["text"] == out.text and lp["tokens"] == [decode([t]) for t in out.token_ids]
+        assert lp["token_logprobs"] == pytest.approx([e.logprob for e in out.logprobs], abs=1e-4)
+        assert [list(d) for d in lp["top_logprobs"]] == [[decode([t]) for t, _ in e.top] for e in out.logprobs]
+        assert lp["text_offset"] == [len(decode(out.token_ids[:i])) for i in range(len(out.token_ids))]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert "".join(c["token"] for c in content) == chat["choices"][0]["message"]["content"]
+    assert all(len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6
+               and c["bytes"] == list(c["token"].encode()) for c in content)
+
+
 def test_disconnected_clients_free_their_slots(tiny_llm):
     long = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 

@@ -47,7 +47,7 @@ class VerifyResult:
 
     def keep_positions(self) -> torch.Tensor:
         """[B, D+1] layout positions whose KV entries survive: root then accepted nodes (-1 pad)."""
-        root = torch.zeros_like(self.accepted_pos[:, :1])
+        root = self.accepted_pos.new_zeros(self.accepted_pos.shape[0], 1)  # also when no node was verified (D = 0)
         return torch.cat([root, self.accepted_pos], 1)
 
 

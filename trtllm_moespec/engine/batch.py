@@ -175,7 +175,7 @@ class BatchedEngine:
                                             lazy=self._defer_drafter)
             if engine.values is not None and engine.policy.uses_values:
                 active.values = engine.values.for_request(request.sampling)
-            finished = engine._append(request, [root])
+            finished = engine._append(request, [root], prefill.logits[0, -1:])
             outputs.append(BatchStepOutput(request, request.output_ids[-1:], finished, None))
         prefill_ms = (time.perf_counter() - t0) * 1e3  # every request waited for the whole prefill
         for active in new:
@@ -312,7 +312,7 @@ class BatchedEngine:
         t_commit = time.perf_counter() - t0
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         before = len(request.output_ids)
-        finished = engine._append(request, emitted)
+        finished = engine._append(request, emitted, out.logits[0], result)
         hits, checked = _predictor_hits(experts, out, layout, result) if draft is not None else (0, 0)
         parts = dict(  # StepStats fields of this request alone; `_iterate` adds the batch stages' times
             verified_tokens=0 if draft is None else int(layout.num_nodes[0]),

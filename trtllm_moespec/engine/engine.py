@@ -17,6 +17,7 @@ import torch
 
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout, root_layout
+from ..core.logprobs import TokenLogprob, emitted_positions, token_logprobs
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
@@ -41,7 +42,9 @@ class Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int] = frozenset()
     stop_check: Callable[[list[int]], int | None] | None = None  # returns a cut length when a stop string is hit
+    logprobs: int | None = None  # report each output token's logprob and this many alternatives (None: off)
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
     prefill_ms: float = 0.0
@@ -78,7 +81,7 @@ class SpecEngine:
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
         drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
-        if self._append(request, [root]):
+        if self._append(request, [root], prefill.logits[0, -1:]):
             yield request.output_ids[-1:]
             return
         yield [root]
@@ -151,7 +154,7 @@ class SpecEngine:
         t_draft += time.perf_counter() - t0
 
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
-        done = self._append(request, emitted)
+        done = self._append(request, emitted, out.logits[0], result)
         hits, checked = _predictor_hits(experts, out, layout, result)
         self._record(request, guard, True, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
@@ -176,7 +179,7 @@ class SpecEngine:
         drafter.defer(result, out)  # caught up in one forward when drafting resumes
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
-        done = self._append(request, emitted)
+        done = self._append(request, emitted, out.logits[0])
         self._record(request, guard, speculated, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
                      commit_ms=t_commit * 1e3)
@@ -225,12 +228,18 @@ class SpecEngine:
         local = probs[parent_pos, full.token_ids[0]][1:]
         return torch.where(tree.valid[0], local, 0.0)[None]
 
-    def _append(self, request: Request, tokens: list[int]) -> bool:
+    def _append(self, request: Request, tokens: list[int], logits: torch.Tensor | None = None,
+                result: VerifyResult | None = None) -> bool:
         """Add committed tokens, applying eos, max_tokens and stop strings; True when finished.
 
         Stop strings are checked after eos / max_tokens too: a stop string completed by the step's
-        last token (or before an eos in the same step) still ends the output before it.
+        last token (or before an eos in the same step) still ends the output before it. When the
+        request asks for logprobs, `logits` are the step's target logits: [P, V] over the layout's
+        positions with the step's `result`, else one row per token.
         """
+        if request.logprobs is not None:
+            rows = logits if result is None else logits.index_select(0, emitted_positions(result).to(logits.device))
+            request.output_logprobs.extend(token_logprobs(rows, tokens, request.logprobs))
         for tok in tokens:
             request.output_ids.append(tok)
             if tok in request.stop_ids:
@@ -244,6 +253,7 @@ class SpecEngine:
             if cut is not None:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
+        del request.output_logprobs[len(request.output_ids):]  # tokens past eos, max_tokens or a stop string
         return request.finish_reason is not None
 
 

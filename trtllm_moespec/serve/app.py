@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..api import LLM
 from ..engine.engine import Request
-from ..detokenize import TextStream
+from ..detokenize import IncrementalText, TextStream
 from .engine import make_request
 from .protocol import BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion, usage
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
@@ -201,15 +201,38 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
     out = []
     for c in choices:
         text = server.decode(c.request.output_ids)
+        logprobs = None if c.request.logprobs is None else (_chat_logprobs if chat else _completion_logprobs)(server, c.request)
         if chat:
             out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": c.finish_reason})
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
         else:
-            out.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+            out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     prompt = sum(len(c.request.prompt_ids) for c in choices)
     completion = sum(len(c.request.output_ids) for c in choices)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
+
+
+def _completion_logprobs(server: Server, request: Request) -> dict:
+    """The legacy completions `logprobs` object: each token's text and logprob, its top alternatives
+    and where its text starts in the completion."""
+    ids, entries = request.output_ids, request.output_logprobs
+    text = IncrementalText(server.decode)
+    return {"tokens": [server.decode([e.token_id]) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{server.decode([t]): lp for t, lp in e.top} for e in entries],
+            "text_offset": [len(text.text(ids[:i])) for i in range(len(entries))]}
+
+
+def _chat_logprobs(server: Server, request: Request) -> dict:
+    """The chat `logprobs` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = server.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                        for e in request.output_logprobs], "refusal": None}
 
 
 async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue, rid: str, created: int,

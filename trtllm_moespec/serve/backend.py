@@ -93,5 +93,4 @@ class BatchedBackend:
         return make_request(self.llm, ids, params, self._lock)
 
     def _output(self, request: Request) -> RequestOutput:
-        return RequestOutput(list(request.prompt_ids), list(request.output_ids), self._decode(request.output_ids),
-                             request.finish_reason or "length", request.stats(), tuple(request.steps))
+        return RequestOutput.of(request, self._decode(request.output_ids))

@@ -2,9 +2,10 @@
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
 send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
-that the engine does not implement (n > 1, penalties, logprobs, logit_bias, ...) are
+that the engine does not implement (n > 1, penalties, echo, logit_bias, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
-change the output (`user`, ...) are ignored.
+change the output (`user`, ...) are ignored. `logprobs` (completions: how many alternatives;
+chat: `logprobs` + `top_logprobs`) is served without streaming.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api import SamplingParams
+from ..core.logprobs import MAX_LOGPROBS
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
-    ("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
-    ("top_logprobs", (None, 0)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+    ("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")), ("logit_bias", (None, {})),
     ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
     ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
     ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
@@ -53,8 +54,11 @@ class GenerationRequest:
 def parse_completion(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (raises BadRequest)."""
     body = _object(body)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+        raise BadRequest(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
     return _request(body, prompts=_prompts(body.get("prompt")), messages=(), max_tokens=body.get("max_tokens"),
-                    default_max_tokens=16)
+                    default_max_tokens=16, logprobs=logprobs)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -63,11 +67,16 @@ def parse_chat(body: Any) -> GenerationRequest:
     if body.get("n") not in (None, 1):
         raise BadRequest("only n=1 is supported", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    top = body.get("top_logprobs")
+    if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
+    if top and not _bool(body, "logprobs"):
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return _request(body, prompts=(), messages=_messages(body.get("messages")), max_tokens=max_tokens,
-                    default_max_tokens=None)
+                    default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None)
 
 
-def _request(body: dict, prompts, messages, max_tokens, default_max_tokens) -> GenerationRequest:
+def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logprobs: int | None) -> GenerationRequest:
     for name, allowed in _UNSUPPORTED:
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
@@ -88,13 +97,15 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens) -> G
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
         raise BadRequest(f"'seed' must be an integer in [0, 2^63), got {seed!r}", "seed")
     stream = _bool(body, "stream")
+    if stream and logprobs is not None:
+        raise BadRequest("'logprobs' is not supported with stream=true", "logprobs")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
     stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, ignore_eos=ignore_eos)
+                                seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,

@@ -1,0 +1,104 @@
+"""Logprobs of the output tokens: the target's raw log-softmax at each token's position, as
+transformers' forward over prompt + output gives it, under every policy, sampled or greedy, alone
+or batched, and still aligned with the tokens after eos and max_tokens cut a step's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.engine.batch import BatchedEngine
+
+TINY_TARGET = "trtllm_moespec/assets/moespec-tiny/target"
+PROMPT = "def add(a, b):\n"
+ATOL = 1e-4
+
+
+def _reference(target_dir: str, prompt_ids: list[int], output_ids: list[int], **kwargs) -> torch.Tensor:
+    """[len(output), V] transformers' log-softmax at the position each output token was drawn from."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    P = len(prompt_ids)
+    return torch.log_softmax(logits[P - 1:P - 1 + len(output_ids)], dim=-1)
+
+
+def _check(out, ref: torch.Tensor, top_n: int) -> None:
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    chosen = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in out.logprobs]), chosen, atol=ATOL, rtol=0)
+    values, ids = ref.topk(top_n, dim=-1)
+    for e, v, i in zip(out.logprobs, values, ids):
+        assert [t for t, _ in e.top] == i.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), v, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return {policy: LLM("moespec-tiny", policy=policy) for policy in ("ar", "eagle3", "joint")}
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_greedy_logprobs_equal_transformers_forward(tiny, policy):
+    """moespec-tiny's drafter is accepted several tokens a step, so the emitted tokens' positions in
+    the verified tree (not just the root) are exercised."""
+    out = tiny[policy].generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3))[0]
+    _check(out, _reference(TINY_TARGET, out.prompt_token_ids, out.token_ids), 3)
+    if policy == "eagle3":
+        assert max(s.accepted_tokens for s in out.steps) >= 2
+
+
+def test_sampled_logprobs_are_the_raw_distribution(tiny):
+    """At temperature 0.8 with top-k the tokens are sampled from the processed distribution, but the
+    reported logprobs are the model's own (vLLM's raw_logprobs)."""
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=5, ignore_eos=True, logprobs=0)
+    out = tiny["eagle3"].generate([PROMPT], params)[0]
+    _check(out, _reference(TINY_TARGET, out.prompt_token_ids, out.token_ids), 0)
+    assert all(e.top == () for e in out.logprobs)
+
+
+def test_logprobs_stay_aligned_when_eos_and_max_tokens_cut_a_step(tiny):
+    llm = tiny["eagle3"]
+    full = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1))[0]
+
+    def same(logprobs, n: int) -> None:  # trees cut at the end differ: equal up to the rounding of other forwards
+        assert [e.token_id for e in logprobs] == full.token_ids[:n]
+        assert [e.logprob for e in logprobs] == pytest.approx([e.logprob for e in full.logprobs[:n]], abs=ATOL)
+
+    for max_tokens in (7, 10, 13):  # eagle3 commits several tokens a step: some of these cut a step short
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1))[0]
+        assert out.token_ids == full.token_ids[:max_tokens]
+        same(out.logprobs, max_tokens)
+    stop = full.token_ids[9]  # an "eos" inside a step: the output and its logprobs end at it
+    request = llm.make_request(full.prompt_token_ids, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1))
+    request.stop_ids = frozenset([stop])
+    for _ in llm.engine.run(request):
+        pass
+    n = full.token_ids.index(stop) + 1
+    assert request.output_ids == full.token_ids[:n] and request.finish_reason == "stop"
+    same(request.output_logprobs, n)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_batched_logprobs_equal_transformers_forward(checkpoints, arch):
+    """Requests batched in one target forward (GPT-OSS: sinks, a sliding window the output crosses)."""
+    target, draft = checkpoints[arch]
+    llm = LLM(str(target), draft_model=str(draft), policy="eagle3")
+    prompts = [[5, 17, 33, 2, 9, 100, 4], [1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    requests = [llm.make_request(p, params) for p in prompts]
+    BatchedEngine(llm.engine, max_batch_size=3).run_all(requests)
+    kwargs = {"attn_implementation": "eager"} if arch == "gpt_oss" else {}
+    for r in requests:
+        ref = _reference(target, r.prompt_ids, r.output_ids, **kwargs)
+        chosen = ref.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        assert [e.token_id for e in r.output_logprobs] == r.output_ids
+        torch.testing.assert_close(torch.tensor([e.logprob for e in r.output_logprobs]), chosen, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
+def test_bad_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=bad)

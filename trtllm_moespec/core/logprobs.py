@@ -1,0 +1,48 @@
+"""Log-probabilities of emitted tokens (OpenAI's `logprobs`), from the verify forward's logits.
+
+They are the target's raw distribution at each emitted token's position: log_softmax of the
+target logits, before temperature, top-k and top-p (vLLM's default, `raw_logprobs`), so they
+describe the model, not the sampling rule. In a speculative step, emitted token i was drawn from
+the distribution at layout position `VerifyResult.keep_positions()[i]` (the root, then each
+accepted node): the context there is exactly the one plain decoding has for that token, so every
+policy reports the logprobs plain decoding would, up to the float rounding of a wider forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .verify import VerifyResult
+
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability and the `n` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the n most likely tokens, most likely first
+
+
+def emitted_positions(result: VerifyResult) -> torch.Tensor:
+    """[num_emitted] layout positions whose distributions the emitted tokens of request 0 were drawn from."""
+    return result.keep_positions()[0, : int(result.num_emitted[0])]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """logits [P, V] at the positions token_ids [P] were drawn from -> each token's TokenLogprob."""
+    if logits.shape[0] != len(token_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(token_ids)} tokens")
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+    ids = torch.tensor(token_ids, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    if top_n:
+        values, indices = logp.topk(top_n, dim=-1)
+        top = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        top = [()] * len(token_ids)
+    return [TokenLogprob(t, c, k) for t, c, k in zip(token_ids, chosen, top)]
