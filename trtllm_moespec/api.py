@@ -136,11 +136,14 @@ class LLM:
         values: str = "calibrated",
         threads: int | None = 1,
         cuda_graphs: bool | None = None,
+        prefix_cache: int = 0,
     ):
         """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
         ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py);
         cuda_graphs: replay the verify forward (plain steps included) from one CUDA graph per verify-length
-        bucket (models/cuda_graphs.py); None = on for CUDA with model_impl='lean', off otherwise."""
+        bucket (models/cuda_graphs.py); None = on for CUDA with model_impl='lean', off otherwise;
+        prefix_cache: keep the K/V of up to this many finished prompts, for later prompts that begin with
+        the same tokens (engine/prefix_cache.py; 0 = off). Each kept prompt holds one KV-cache slot."""
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
         if drafter not in ("eagle3", "ngram"):
@@ -155,6 +158,11 @@ class LLM:
             raise ValueError(f"unknown values {values!r}; choose one of {', '.join(VALUE_KINDS)}")
         if cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be None (auto), True or False, got {cuda_graphs!r}")
+        if not _is_int(prefix_cache) or prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be an integer >= 0 (kept prompts; 0 = off), got {prefix_cache!r}")
+        if prefix_cache and (model_impl != "lean" or ep is not None):
+            raise ValueError("prefix_cache needs model_impl='lean' and one process (its K/V copy runs on this "
+                             "process's cache only)")
         _check_argument_types(model=model, draft_model=draft_model, cost_profile=cost_profile, predictor=predictor,
                               ddd_threshold=ddd_threshold, policy_options=policy_options)
         self.policy_name, self.tree, self.device, self.dtype = policy, tree, parse_device(device), dtype
@@ -226,8 +234,11 @@ class LLM:
         predictor_obj = (load_predictor(predictor, self.paths, self.target, eagle3)
                          if self.policy.needs_experts else None)
         value_model = load_value_model(values, self.paths, self.target) if self.policy.uses_values else None
+        from .engine.prefix_cache import PrefixCache
+
         self.engine = SpecEngine(self.target, self.policy, tree, source, predictor_obj, _device_selector(self.device),
-                                 value_model, placement=placement, guard=guard_obj)
+                                 value_model, placement=placement, guard=guard_obj,
+                                 prefix_cache=PrefixCache(self.target, prefix_cache) if prefix_cache else None)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False

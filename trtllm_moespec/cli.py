@@ -126,7 +126,8 @@ def _llm_from_args(args, ep=None):
                device=args.device, dtype=args.dtype, cost_profile=args.cost_profile, predictor=args.predictor,
                drafter=args.drafter, override_profile=args.override_profile, values=args.values,
                model_impl=args.model_impl, threads=args.threads, ep=ep, ep_pricing=getattr(args, "ep_pricing", True),
-               guard=args.guard, draft_stop=args.draft_stop, cuda_graphs=args.cuda_graphs)
+               guard=args.guard, draft_stop=args.draft_stop, cuda_graphs=args.cuda_graphs,
+               prefix_cache=getattr(args, "prefix_cache", 0))
 
 
 def read_prompt_file(path: str) -> str:

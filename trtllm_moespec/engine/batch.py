@@ -52,6 +52,7 @@ class _Active:
 
     request: Request
     cache: TargetCache | None = None  # None until its prefill ran
+    prefill: TargetOutput | None = None  # its prompt's prefill (kept for the prefix cache)
     # The request's drafter; lazily started under a guarded batch policy (until the batch first speculates
     # it has not seen the prompt: the prompt's prefill and the plain steps since wait in it).
     drafter: RequestDrafter | None = None
@@ -155,6 +156,8 @@ class BatchedEngine:
             outputs += spec_outputs
         for out in outputs:
             if out.finished:
+                active = self._active[id(out.request)]
+                self.engine.keep_prompt(active.request, active.cache, active.prefill)
                 self.abort(out.request)
         return outputs, experts
 
@@ -166,10 +169,10 @@ class BatchedEngine:
         prompts = [torch.tensor([a.request.prompt_ids], dtype=torch.int64, device=self.target.device) for a in new]
         for a in new:
             a.cache = self.target.new_cache()
-        prefills = prefill_batch(self.target, [a.cache for a in new], prompts)
         outputs = []
-        for active, prompt, prefill in zip(new, prompts, prefills):
+        for active, prompt, prefill in zip(new, prompts, self._prefill(new, prompts)):
             request = active.request
+            active.prefill = prefill
             root = engine._first_token(prefill, request)
             active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
                                             lazy=self._defer_drafter)
@@ -181,6 +184,22 @@ class BatchedEngine:
         for active in new:
             active.request.prefill_ms = prefill_ms
         return outputs
+
+    def _prefill(self, new: list[_Active], prompts: list[torch.Tensor]) -> list[TargetOutput]:
+        """The new requests' prompts: those with a cached prefix through the prefix cache one by one
+        (each forward covers only the rest of its prompt), the others together in one forward."""
+        cached = self.engine.prefix_cache
+        reuse = [cached is not None and cached.match(a.request.prompt_ids)[0] is not None for a in new]
+        cold = [b for b, r in enumerate(reuse) if not r]
+        outs: list[TargetOutput | None] = [None] * len(new)
+        if cold:
+            for b, out in zip(cold, prefill_batch(self.target, [new[b].cache for b in cold], [prompts[b] for b in cold])):
+                outs[b] = out
+            if cached is not None:
+                cached.misses += len(cold)
+        for b in (b for b, r in enumerate(reuse) if r):
+            outs[b] = cached.prefill(new[b].cache, prompts[b])
+        return outs
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine

@@ -28,6 +28,7 @@ from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
 from .guard import Guard, GuardState
+from .prefix_cache import PrefixCache
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -58,7 +59,8 @@ class SpecEngine:
 
     def __init__(self, target: TargetModel, policy: SelectionPolicy, tree: TreeConfig, draft_source=None,
                  predictor=None, selector: Callable | None = None, values: ValueModel | None = None,
-                 placement: ExpertPlacement | None = None, guard: Guard | None = None):
+                 placement: ExpertPlacement | None = None, guard: Guard | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.target = target
         self.policy = policy
         self.tree = tree
@@ -68,6 +70,7 @@ class SpecEngine:
         self.values = values  # node values for the cost-aware policies (None = raw path scores)
         self.placement = placement  # expert parallelism: which rank holds each expert (stats per rank)
         self.guard = guard if policy.drafts else None  # speculate-or-not before each step (guard.py)
+        self.prefix_cache = prefix_cache  # finished prompts' K/V reused by prompts that start alike (prefix_cache.py)
 
     # ------------------------------------------------------------------ public
     def run(self, request: Request) -> Iterator[list[int]]:
@@ -76,13 +79,14 @@ class SpecEngine:
         prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=device)
         cache = self.target.new_cache()
         t0 = time.perf_counter()
-        prefill = self.target.prefill(cache, prompt)
+        prefill = self.prefill(cache, prompt)
         root = self._first_token(prefill, request)
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
         drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root], prefill.logits[0, -1:]):
             yield request.output_ids[-1:]
+            self.keep_prompt(request, cache, prefill)
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
@@ -94,7 +98,19 @@ class SpecEngine:
             done = self._step(request, cache, drafter, values, guard)
             yield request.output_ids[before:]
             if done:
+                self.keep_prompt(request, cache, prefill)
                 return
+
+    def prefill(self, cache, prompt: torch.Tensor) -> TargetOutput:
+        """The prompt [1, L] into an empty cache, through the prefix cache when there is one."""
+        if self.prefix_cache is None:
+            return self.target.prefill(cache, prompt)
+        return self.prefix_cache.prefill(cache, prompt)
+
+    def keep_prompt(self, request: Request, cache, prefill: TargetOutput) -> None:
+        """A finished request's prompt K/V go to the prefix cache (when there is one)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(request.prompt_ids, cache, prefill)
 
     # ------------------------------------------------------------------ stages
     def _first_token(self, prefill: TargetOutput, request: Request) -> int:

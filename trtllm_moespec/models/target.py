@@ -192,6 +192,19 @@ class TargetModel:
         cache.slot = self._pool.acquire(owner=cache)
         return cache
 
+    def copy_prefix(self, dst: TargetCache, src: TargetCache, length: int) -> None:
+        """Give the empty cache `dst` the first `length` committed positions of `src` (lean: both are
+        slots of the one static cache; one copy over all layers), as if it had prefilled them."""
+        if self.lean is None or dst.kv is not src.kv:
+            raise ValueError("copy_prefix needs two slots of the lean forward's static cache")
+        if dst.num_tokens or dst.num_pending:
+            raise ValueError("copy_prefix fills an empty cache")
+        if not 0 < length <= src.num_tokens:
+            raise ValueError(f"copy_prefix of {length} positions from a cache holding {src.num_tokens}")
+        kv = dst.kv.kv  # [layers, 2, slots, kv_heads, max_len, head_dim]
+        kv[:, :, dst.slot, :, :length] = kv[:, :, src.slot, :, :length]
+        dst.num_tokens = length
+
     def use_verify_runner(self, kind: str | None, buckets: tuple[int, ...] = ()) -> None:
         """Route lean forwards of up to max(buckets) tokens (verifies, plain steps, short prefills)
         through the static-shape forward of the smallest bucket that holds them: "graphs" replays

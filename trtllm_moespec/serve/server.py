@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: --model)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--prefix-cache", type=int, default=8,
+                   help="keep the K/V of this many finished prompts for requests that begin alike (a chat's next "
+                        "turn, a shared system prompt); one KV-cache slot each; 0 = off (default 8)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -105,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         import fastapi  # noqa: F401
     except ImportError as e:
         raise ValueError(f"`moespec serve` needs the serve extra: pip install 'trtllm-moespec[serve]' ({e})") from None
-    if args.max_batch_size < 1 or args.max_queue < 0:
-        raise ValueError("--max-batch-size must be >= 1 and --max-queue >= 0")
+    if args.max_batch_size < 1 or args.max_queue < 0 or args.prefix_cache < 0:
+        raise ValueError("--max-batch-size must be >= 1, --max-queue and --prefix-cache >= 0")
+    if args.model_impl != "lean":
+        args.prefix_cache = 0  # transformers' forward keeps no static cache to copy prompts from
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None

@@ -1,0 +1,99 @@
+"""Prompt prefix caching: a prompt that begins like a finished one reuses that prefix's K/V and
+decodes exactly what a full prefill gives (greedy and seeded sampling, both architectures,
+GPT-OSS past its sliding window, one request at a time and batched); the cache keeps at most
+its bound of prompts and gives evicted slots back."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.engine.batch import BatchedEngine
+from trtllm_moespec.engine.prefix_cache import PrefixCache
+
+SHARED = [(7 * i + 3) % 120 + 1 for i in range(30)]  # 30 tokens: past the GPT-OSS test window (8)
+TURNS = [SHARED + [5, 9, 11], SHARED + [5, 9, 11, 40, 41], SHARED + [77], [1, 2, 3] + SHARED]  # the last shares nothing
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=4, ignore_eos=True)
+
+
+def _llm(checkpoints, arch, policy, **kw):
+    target, draft = checkpoints[arch]
+    return LLM(str(target), draft_model=str(draft), policy=policy, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_reused_prefixes_decode_what_a_full_prefill_does(checkpoints, arch, policy):
+    kw = {"predictor": "oracle"} if policy == "joint" else {}
+    plain = _llm(checkpoints, arch, policy, **kw)
+    for params in (GREEDY, SAMPLED):
+        cached = _llm(checkpoints, arch, policy, prefix_cache=2, **kw)
+        want = [plain.generate([p], params)[0].token_ids for p in TURNS]
+        assert [cached.generate([p], params)[0].token_ids for p in TURNS] == want
+        pc = cached.engine.prefix_cache
+        # turn 1 is cold; turn 2 reuses all 33 tokens of turn 1's prompt, turn 3 the 30 it shares with
+        # turn 2's (the longest); turn 4 shares no prefix
+        assert (pc.hits, pc.misses, pc.reused_tokens) == (2, 2, 33 + 30)
+        assert len(pc) == 2
+
+
+def test_batched_requests_reuse_prefixes_and_stay_exact(checkpoints):
+    plain = _llm(checkpoints, "qwen3_moe", "eagle3")
+    cached = _llm(checkpoints, "qwen3_moe", "eagle3", prefix_cache=4)
+    want = [plain.generate([p], GREEDY)[0].token_ids for p in TURNS]
+    first = cached.make_request(TURNS[0], GREEDY)
+    BatchedEngine(cached.engine, max_batch_size=3).run_all([first])  # cached when it finishes
+    requests = [cached.make_request(p, GREEDY) for p in TURNS[1:]]
+    BatchedEngine(cached.engine, max_batch_size=3).run_all(requests)  # admitted together: two hits, one miss
+    assert [first.output_ids] + [r.output_ids for r in requests] == want
+    pc = cached.engine.prefix_cache
+    assert (pc.hits, pc.misses) == (2, 2)
+
+
+def test_the_longest_shared_prefix_is_reused_but_never_the_whole_prompt(checkpoints):
+    llm = _llm(checkpoints, "qwen3_moe", "ar", prefix_cache=4)
+    pc = llm.engine.prefix_cache
+    llm.generate([TURNS[0]], GREEDY)
+    llm.generate([TURNS[1]], GREEDY)  # extends turn 1's prompt: replaces it
+    assert len(pc) == 1
+    entry, n = pc.match(TURNS[1] + [3])
+    assert n == len(TURNS[1])
+    assert pc.match(TURNS[1])[1] == len(TURNS[1]) - 1  # the last prompt token is always run: its logits
+    assert pc.match(SHARED[:10] + [0] * 20)[0] is None  # fewer shared tokens than min_tokens (16)
+
+
+def test_the_cache_keeps_at_most_its_bound_and_frees_evicted_slots(checkpoints):
+    llm = _llm(checkpoints, "qwen3_moe", "ar", prefix_cache=2)
+    pool_free = lambda: len(llm.target._pool._free)  # noqa: E731
+    for i in range(5):
+        llm.generate([[i + 1] * 20], GREEDY)  # five distinct prompts
+    gc.collect()
+    assert len(llm.engine.prefix_cache) == 2
+    held = llm.target._pool.num_slots - pool_free()
+    assert held == 2  # the two kept prompts' slots; the evicted ones went back to the pool
+    llm.engine.prefix_cache.clear()
+    gc.collect()
+    assert pool_free() == llm.target._pool.num_slots
+
+
+def test_bad_prefix_cache_settings_are_refused(checkpoints):
+    target, _ = checkpoints["qwen3_moe"]
+    with pytest.raises(ValueError, match="prefix_cache must be"):
+        LLM(str(target), policy="ar", prefix_cache=-1)
+    with pytest.raises(ValueError, match="model_impl='lean'"):
+        LLM(str(target), policy="ar", prefix_cache=2, model_impl="hf")
+    llm = LLM(str(target), policy="ar")
+    with pytest.raises(ValueError, match="max_entries"):
+        PrefixCache(llm.target, 0)
+    a, b = llm.target.new_cache(), llm.target.new_cache()
+    with pytest.raises(ValueError, match="holding 0"):
+        llm.target.copy_prefix(b, a, 3)
+    llm.target.prefill(a, torch.tensor([[1, 2, 3, 4]]))
+    llm.target.copy_prefix(b, a, 3)
+    assert b.num_tokens == 3
+    with pytest.raises(ValueError, match="empty cache"):
+        llm.target.copy_prefix(b, a, 2)

@@ -1,0 +1,97 @@
+"""Prompt prefix caching: finished requests' prompt K/V, reused by new prompts that start the same way.
+
+A chat client sends the whole conversation again at every turn, and many requests share a system
+prompt: their prefill recomputes keys the engine computed a moment ago. When a request finishes,
+its cache slot (which holds its prompt's K/V in positions 0..L-1) is kept as an entry together with
+the prompt's capture hiddens (an EAGLE-3 drafter started on the new request needs the target's
+features at every prompt position). A new prompt that shares at least `min_tokens` leading tokens
+with an entry gets that prefix's K/V copied into its own slot (one copy over all layers) and
+prefills only the rest.
+
+The reused keys are the ones the same tokens at the same positions produce, so outputs equal a
+full prefill's up to float rounding (the prefix was computed in a forward of another length, as a
+batched prefill is): greedy tokens are unchanged, which the tests check. Entries hold one static-cache
+slot each; at most `max_entries` are kept, the least recently used going first. Only the lean
+forward's static cache supports it (`model_impl="lean"`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..models.target import TargetCache, TargetModel, TargetOutput
+
+MIN_REUSE_TOKENS = 16  # shorter shared prefixes are prefilled again: a copy and a second forward do not pay
+
+
+@dataclass(frozen=True)
+class _Entry:
+    tokens: np.ndarray  # [L] int64 the prompt whose K/V the slot holds at positions 0..L-1
+    cache: TargetCache  # keeps the slot
+    hidden: torch.Tensor  # [1, L, 3H] the prompt's capture hiddens
+    expert_ids: torch.Tensor  # [1, L, L_moe, topk] the prompt's router choices
+
+
+class PrefixCache:
+    """Up to `max_entries` finished prompts' K/V for new prompts with the same beginning."""
+
+    def __init__(self, target: TargetModel, max_entries: int, min_tokens: int = MIN_REUSE_TOKENS):
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"a prefix cache needs max_entries >= 1, got {max_entries!r}")
+        if getattr(target, "lean", None) is None:
+            raise ValueError("prefix caching needs the lean forward's static cache (model_impl='lean')")
+        self.target, self.max_entries, self.min_tokens = target, max_entries, max(int(min_tokens), 1)
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.hits = self.misses = 0
+        self.reused_tokens = 0  # prompt tokens not prefilled thanks to the cache
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, prompt_ids: list[int]) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest prefix with the prompt, and how many of the prompt's tokens it
+        covers (at most all but the last: the first output token needs a forward over it)."""
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            n = min(len(entry.tokens), len(prompt) - 1)
+            differ = np.flatnonzero(entry.tokens[:n] != prompt[:n])
+            shared = int(differ[0]) if differ.size else n
+            if shared > best_len:
+                best, best_len = entry, shared
+        return (best, best_len) if best_len >= self.min_tokens else (None, 0)
+
+    def prefill(self, cache: TargetCache, prompt: torch.Tensor) -> TargetOutput:
+        """`target.prefill(cache, prompt)` for prompt [1, L] into an empty cache, reusing the longest
+        cached prefix: logits of the last prompt token, hiddens and expert ids of all L tokens."""
+        entry, m = self.match(prompt[0].tolist())
+        if entry is None:
+            self.misses += 1
+            return self.target.prefill(cache, prompt)
+        self.hits += 1
+        self.reused_tokens += m
+        self._entries.move_to_end(id(entry.cache))
+        self.target.copy_prefix(cache, entry.cache, m)
+        rest = self.target.prefill(cache, prompt[:, m:])
+        return TargetOutput(logits=rest.logits, hidden=torch.cat([entry.hidden[:, :m], rest.hidden], dim=1),
+                            expert_ids=torch.cat([entry.expert_ids[:, :m], rest.expert_ids], dim=1))
+
+    def store(self, prompt_ids: list[int], cache: TargetCache, prefill: TargetOutput) -> None:
+        """Keep a finished request's slot for its prompt (the K/V past the prompt are ignored). The
+        cache must not be used by the request any more."""
+        if cache.num_pending or cache.num_tokens < len(prompt_ids) or len(prompt_ids) < self.min_tokens:
+            return
+        tokens = np.asarray(prompt_ids, dtype=np.int64)
+        for key, entry in list(self._entries.items()):  # a prompt already cached (or a prefix of this one)
+            if len(entry.tokens) <= len(tokens) and np.array_equal(entry.tokens, tokens[:len(entry.tokens)]):
+                del self._entries[key]
+        self._entries[id(cache)] = _Entry(tokens, cache, prefill.hidden, prefill.expert_ids)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)  # the least recently used: its slot returns to the pool
+
+    def clear(self) -> None:
+        self._entries.clear()
