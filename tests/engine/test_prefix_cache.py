@@ -54,16 +54,44 @@ def test_batched_requests_reuse_prefixes_and_stay_exact(checkpoints):
     assert (pc.hits, pc.misses) == (2, 2)
 
 
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_a_chats_next_turn_reuses_the_previous_prompt_and_answer(checkpoints, policy):
+    """Turn 2 resends turn 1's prompt and answer: all of it but the answer's last token (whose K/V
+    no forward computed) is reused, and turn 2's entry replaces turn 1's."""
+    plain, cached = _llm(checkpoints, "gpt_oss", policy), _llm(checkpoints, "gpt_oss", policy, prefix_cache=4)
+    first = cached.generate([TURNS[0]], GREEDY)[0]
+    assert first.token_ids == plain.generate([TURNS[0]], GREEDY)[0].token_ids
+    second = TURNS[0] + first.token_ids + [40, 41]
+    assert cached.generate([second], GREEDY)[0].token_ids == plain.generate([second], GREEDY)[0].token_ids
+    pc = cached.engine.prefix_cache
+    assert pc.reused_tokens == len(TURNS[0]) + len(first.token_ids) - 1 and len(pc) == 1
+
+
 def test_the_longest_shared_prefix_is_reused_but_never_the_whole_prompt(checkpoints):
     llm = _llm(checkpoints, "qwen3_moe", "ar", prefix_cache=4)
     pc = llm.engine.prefix_cache
-    llm.generate([TURNS[0]], GREEDY)
-    llm.generate([TURNS[1]], GREEDY)  # extends turn 1's prompt: replaces it
-    assert len(pc) == 1
-    entry, n = pc.match(TURNS[1] + [3])
-    assert n == len(TURNS[1])
-    assert pc.match(TURNS[1])[1] == len(TURNS[1]) - 1  # the last prompt token is always run: its logits
+    out = llm.generate([TURNS[0]], GREEDY)[0]
+    kept = TURNS[0] + out.token_ids[:-1]
+    llm.generate([SHARED + [99] * 4], GREEDY)  # shares 30 tokens: a second entry
+    assert len(pc) == 2
+    assert pc.match(kept + [3])[1] == len(kept)  # the longest match wins
+    assert pc.match(kept)[1] == len(kept) - 1  # the last prompt token is always run: its logits
     assert pc.match(SHARED[:10] + [0] * 20)[0] is None  # fewer shared tokens than min_tokens (16)
+
+
+def test_an_entry_keeps_only_the_tokens_left_after_a_stop_string(checkpoints):
+    """A stop string can cut output tokens whose K/V were committed: the entry ends at the kept ones."""
+    from trtllm_moespec.engine.prefix_cache import SequenceFeatures
+
+    llm = _llm(checkpoints, "qwen3_moe", "ar")
+    pc = PrefixCache(llm.target, 2)
+    cache, prompt = llm.target.new_cache(), torch.tensor([SHARED])
+    features = SequenceFeatures(llm.target.prefill(cache, prompt))
+    llm.target.prefill(cache, torch.tensor([[4, 5, 6]]))  # three committed output positions ...
+    features.add(llm.target.prefill(llm.target.new_cache(), torch.tensor([[4, 5, 6]])), torch.arange(3))
+    pc.store(SHARED + [4], cache, features)  # ... of which the output kept one
+    entry, n = pc.match(SHARED + [4, 8])
+    assert n == len(SHARED) + 1 and entry.hidden.shape[1] == len(SHARED) + 1
 
 
 def test_the_cache_keeps_at_most_its_bound_and_frees_evicted_slots(checkpoints):

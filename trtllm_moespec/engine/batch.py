@@ -52,7 +52,6 @@ class _Active:
 
     request: Request
     cache: TargetCache | None = None  # None until its prefill ran
-    prefill: TargetOutput | None = None  # its prompt's prefill (kept for the prefix cache)
     # The request's drafter; lazily started under a guarded batch policy (until the batch first speculates
     # it has not seen the prompt: the prompt's prefill and the plain steps since wait in it).
     drafter: RequestDrafter | None = None
@@ -156,8 +155,7 @@ class BatchedEngine:
             outputs += spec_outputs
         for out in outputs:
             if out.finished:
-                active = self._active[id(out.request)]
-                self.engine.keep_prompt(active.request, active.cache, active.prefill)
+                self.engine.keep_prefix(out.request, self._active[id(out.request)].cache)
                 self.abort(out.request)
         return outputs, experts
 
@@ -172,7 +170,7 @@ class BatchedEngine:
         outputs = []
         for active, prompt, prefill in zip(new, prompts, self._prefill(new, prompts)):
             request = active.request
-            active.prefill = prefill
+            engine.track(request, prefill)
             root = engine._first_token(prefill, request)
             active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
                                             lazy=self._defer_drafter)
@@ -327,7 +325,7 @@ class BatchedEngine:
         if active.values is not None and draft is not None:  # the step's outcome updates the request's values
             active.values.observe(draft.tree, node_idx, accepted_nodes(node_idx, result.accepted_pos))
         t0 = time.perf_counter()
-        self.target.commit(active.cache, result.accepted_pos[0])
+        engine.commit(request, active.cache, out, result)
         t_commit = time.perf_counter() - t0
         emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         before = len(request.output_ids)

@@ -28,7 +28,7 @@ from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
 from .guard import Guard, GuardState
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, SequenceFeatures
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -46,6 +46,7 @@ class Request:
     logprobs: int | None = None  # report each output token's logprob and this many alternatives (None: off)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
+    features: SequenceFeatures | None = None  # committed positions' target features, kept for the prefix cache
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
     prefill_ms: float = 0.0
@@ -79,14 +80,14 @@ class SpecEngine:
         prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=device)
         cache = self.target.new_cache()
         t0 = time.perf_counter()
-        prefill = self.prefill(cache, prompt)
+        prefill = self.prefill(request, cache, prompt)
         root = self._first_token(prefill, request)
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
         drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root], prefill.logits[0, -1:]):
             yield request.output_ids[-1:]
-            self.keep_prompt(request, cache, prefill)
+            self.keep_prefix(request, cache)
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
@@ -98,19 +99,33 @@ class SpecEngine:
             done = self._step(request, cache, drafter, values, guard)
             yield request.output_ids[before:]
             if done:
-                self.keep_prompt(request, cache, prefill)
+                self.keep_prefix(request, cache)
                 return
 
-    def prefill(self, cache, prompt: torch.Tensor) -> TargetOutput:
-        """The prompt [1, L] into an empty cache, through the prefix cache when there is one."""
+    def prefill(self, request: Request, cache, prompt: torch.Tensor) -> TargetOutput:
+        """The prompt [1, L] into an empty cache, through the prefix cache when there is one (which
+        then follows the request's committed features)."""
         if self.prefix_cache is None:
             return self.target.prefill(cache, prompt)
-        return self.prefix_cache.prefill(cache, prompt)
+        return self.track(request, self.prefix_cache.prefill(cache, prompt))
 
-    def keep_prompt(self, request: Request, cache, prefill: TargetOutput) -> None:
-        """A finished request's prompt K/V go to the prefix cache (when there is one)."""
+    def track(self, request: Request, prefill: TargetOutput) -> TargetOutput:
+        """Start following the request's committed features for the prefix cache (when there is one)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.store(request.prompt_ids, cache, prefill)
+            request.features = SequenceFeatures(prefill)
+        return prefill
+
+    def keep_prefix(self, request: Request, cache) -> None:
+        """A finished request's K/V go to the prefix cache (when there is one)."""
+        if request.features is not None:
+            self.prefix_cache.store(request.prompt_ids + request.output_ids, cache, request.features)
+            request.features = None
+
+    def commit(self, request: Request, cache, out: TargetOutput, result: VerifyResult) -> None:
+        """Keep the root and the accepted nodes of the step's verify in the target cache."""
+        self.target.commit(cache, result.accepted_pos[0])
+        if request.features is not None:
+            request.features.add(out, emitted_positions(result))
 
     # ------------------------------------------------------------------ stages
     def _first_token(self, prefill: TargetOutput, request: Request) -> int:
@@ -163,7 +178,7 @@ class SpecEngine:
             values.observe(tree, selection.node_idx, accepted_nodes(selection.node_idx, result.accepted_pos))
             t_select += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.target.commit(cache, result.accepted_pos[0])
+        self.commit(request, cache, out, result)
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
         drafter.commit(result, out)  # a drafter forward over the committed tokens
@@ -189,7 +204,7 @@ class SpecEngine:
         result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
         t_verify = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.target.commit(cache, result.accepted_pos[0])
+        self.commit(request, cache, out, result)
         t_commit = time.perf_counter() - t0
         t0 = time.perf_counter()
         drafter.defer(result, out)  # caught up in one forward when drafting resumes

@@ -1,16 +1,16 @@
-"""Prompt prefix caching: finished requests' prompt K/V, reused by new prompts that start the same way.
+"""Prefix caching: finished requests' K/V, reused by new prompts that start the same way.
 
 A chat client sends the whole conversation again at every turn, and many requests share a system
 prompt: their prefill recomputes keys the engine computed a moment ago. When a request finishes,
-its cache slot (which holds its prompt's K/V in positions 0..L-1) is kept as an entry together with
-the prompt's capture hiddens (an EAGLE-3 drafter started on the new request needs the target's
-features at every prompt position). A new prompt that shares at least `min_tokens` leading tokens
-with an entry gets that prefix's K/V copied into its own slot (one copy over all layers) and
-prefills only the rest.
+its cache slot (which holds the K/V of its prompt and of every output token but the last, at
+positions 0..n-1) is kept as an entry, with those positions' capture hiddens and expert ids (an
+EAGLE-3 drafter started on a new request needs the target's features at every prompt position).
+A new prompt that shares at least `min_tokens` leading tokens with an entry gets that prefix's K/V
+copied into its own slot (one copy over all layers) and prefills only the rest.
 
 The reused keys are the ones the same tokens at the same positions produce, so outputs equal a
-full prefill's up to float rounding (the prefix was computed in a forward of another length, as a
-batched prefill is): greedy tokens are unchanged, which the tests check. Entries hold one static-cache
+full prefill's up to float rounding (the prefix was computed in forwards of other lengths, as a
+batched prefill's is): greedy tokens are unchanged, which the tests check. Entries hold one static-cache
 slot each; at most `max_entries` are kept, the least recently used going first. Only the lean
 forward's static cache supports it (`model_impl="lean"`).
 """
@@ -30,10 +30,32 @@ MIN_REUSE_TOKENS = 16  # shorter shared prefixes are prefilled again: a copy and
 
 @dataclass(frozen=True)
 class _Entry:
-    tokens: np.ndarray  # [L] int64 the prompt whose K/V the slot holds at positions 0..L-1
+    tokens: np.ndarray  # [n] int64 the tokens whose K/V the slot holds at positions 0..n-1
     cache: TargetCache  # keeps the slot
-    hidden: torch.Tensor  # [1, L, 3H] the prompt's capture hiddens
-    expert_ids: torch.Tensor  # [1, L, L_moe, topk] the prompt's router choices
+    hidden: torch.Tensor  # [1, n, 3H] their capture hiddens
+    expert_ids: torch.Tensor  # [1, n, L_moe, topk] their router choices
+
+
+class SequenceFeatures:
+    """A running request's capture hiddens and expert ids at its committed cache positions, in order:
+    the prompt's from the prefill, then each step's root and accepted nodes (what an entry made from the
+    request must give a drafter started on a reused prefix)."""
+
+    def __init__(self, prefill: TargetOutput):
+        self._hidden, self._expert_ids = [prefill.hidden], [prefill.expert_ids]
+
+    def add(self, out: TargetOutput, positions: torch.Tensor) -> None:
+        """The step's committed layout positions [n] of its verify output."""
+        positions = positions.to(out.hidden.device)
+        self._hidden.append(out.hidden.index_select(1, positions))
+        self._expert_ids.append(out.expert_ids.index_select(1, positions))
+
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [1, n, 3H], expert ids [1, n, L_moe, topk]) of the first n committed positions."""
+        hidden, expert_ids = torch.cat(self._hidden, dim=1), torch.cat(self._expert_ids, dim=1)
+        if hidden.shape[1] < n:
+            raise ValueError(f"features of {hidden.shape[1]} positions, {n} wanted")
+        return hidden[:, :n], expert_ids[:, :n]
 
 
 class PrefixCache:
@@ -80,16 +102,19 @@ class PrefixCache:
         return TargetOutput(logits=rest.logits, hidden=torch.cat([entry.hidden[:, :m], rest.hidden], dim=1),
                             expert_ids=torch.cat([entry.expert_ids[:, :m], rest.expert_ids], dim=1))
 
-    def store(self, prompt_ids: list[int], cache: TargetCache, prefill: TargetOutput) -> None:
-        """Keep a finished request's slot for its prompt (the K/V past the prompt are ignored). The
-        cache must not be used by the request any more."""
-        if cache.num_pending or cache.num_tokens < len(prompt_ids) or len(prompt_ids) < self.min_tokens:
+    def store(self, tokens: list[int], cache: TargetCache, features: SequenceFeatures) -> None:
+        """Keep a finished request's slot: `tokens` its prompt and output, of which the cache holds the
+        K/V of the first `cache.num_tokens` (all but the last output token; fewer when a stop string
+        cut committed tokens). The request must not use the cache any more."""
+        n = min(cache.num_tokens, len(tokens))
+        if cache.num_pending or n < self.min_tokens:
             return
-        tokens = np.asarray(prompt_ids, dtype=np.int64)
-        for key, entry in list(self._entries.items()):  # a prompt already cached (or a prefix of this one)
-            if len(entry.tokens) <= len(tokens) and np.array_equal(entry.tokens, tokens[:len(entry.tokens)]):
+        kept = np.asarray(tokens[:n], dtype=np.int64)
+        for key, entry in list(self._entries.items()):  # an entry this one extends (a chat's earlier turn) goes
+            if len(entry.tokens) <= n and np.array_equal(entry.tokens, kept[:len(entry.tokens)]):
                 del self._entries[key]
-        self._entries[id(cache)] = _Entry(tokens, cache, prefill.hidden, prefill.expert_ids)
+        hidden, expert_ids = features.first(n)
+        self._entries[id(cache)] = _Entry(kept, cache, hidden, expert_ids)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)  # the least recently used: its slot returns to the pool
 
