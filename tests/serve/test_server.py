@@ -134,6 +134,29 @@ def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
                and c["bytes"] == list(c["token"].encode()) for c in content)
 
 
+def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm):
+    """A server with a prefix cache: turn 2 resends turn 1 and its answer; both answers are those of
+    a server without one (tiny_llm), and the cache reused the conversation."""
+    from trtllm_moespec import LLM
+
+    cached = LLM("moespec-tiny", policy="eagle3", prefix_cache=2)
+    turn1 = [{"role": "user", "content": "write a function that reverses a list"}]
+
+    def chat(server, messages):
+        body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+
+    answers = []
+    for llm in (tiny_llm, cached):
+        with ServerThread(llm, max_batch_size=2, chat_template=TEMPLATE) as server:
+            first = chat(server, turn1)
+            turn2 = turn1 + [first, {"role": "user", "content": "now sort it as well"}]
+            answers.append((first["content"], chat(server, turn2)["content"]))
+    assert answers[0] == answers[1]
+    pc = cached.engine.prefix_cache
+    assert pc.hits == 1 and pc.reused_tokens > 20
+
+
 def test_disconnected_clients_free_their_slots(tiny_llm):
     long = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
