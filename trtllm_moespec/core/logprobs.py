@@ -30,6 +30,8 @@ class TokenLogprob:
 
 def emitted_positions(result: VerifyResult) -> torch.Tensor:
     """[num_emitted] layout positions whose distributions the emitted tokens of request 0 were drawn from."""
+    if result.accepted_pos.shape[1] == 0:  # a plain step: the root alone (one op, not four)
+        return result.accepted_pos.new_zeros(1)
     return result.keep_positions()[0, : int(result.num_emitted[0])]
 
 

@@ -28,6 +28,7 @@ class NoDraft:
     """Plain decoding: every step verifies only the root."""
 
     name = "none"
+    reads_target_features = False  # start() ignores the prompt's capture hiddens
 
     def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> None:
         return None
@@ -81,6 +82,7 @@ class Eagle3Source:
     cost-aware stop rule (`core.drafting.DraftStopRule`)."""
 
     name = "eagle3"
+    reads_target_features = True  # start() prefills the drafter from the prompt's capture hiddens
 
     def __init__(self, drafter, steps: int, topk: int, ddd_threshold: float | None = None, stop_rule=None,
                  extend_runner=None, frontier_runner=None):
@@ -222,6 +224,7 @@ class NgramSource:
     """Weightless prompt-lookup drafting (the EVICT paper's Lookahead baseline)."""
 
     name = "ngram"
+    reads_target_features = False
 
     def __init__(self, drafter):
         self.drafter = drafter

@@ -46,7 +46,8 @@ class Request:
     logprobs: int | None = None  # report each output token's logprob and this many alternatives (None: off)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
-    features: SequenceFeatures | None = None  # committed positions' target features, kept for the prefix cache
+    features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
+    prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
     prefill_ms: float = 0.0
@@ -110,16 +111,20 @@ class SpecEngine:
         return self.track(request, self.prefix_cache.prefill(cache, prompt))
 
     def track(self, request: Request, prefill: TargetOutput) -> TargetOutput:
-        """Start following the request's committed features for the prefix cache (when there is one)."""
+        """With a prefix cache: the request's K/V will be kept when it finishes, and, when the drafter reads
+        target features (EAGLE-3: a later request's drafter starts from them), its committed positions'
+        features are followed step by step (a few us per step; nothing for plain decoding)."""
         if self.prefix_cache is not None:
-            request.features = SequenceFeatures(prefill)
+            request.prefix_cached = True
+            if self.draft_source.reads_target_features:
+                request.features = SequenceFeatures(prefill)
         return prefill
 
     def keep_prefix(self, request: Request, cache) -> None:
         """A finished request's K/V go to the prefix cache (when there is one)."""
-        if request.features is not None:
+        if request.prefix_cached:
             self.prefix_cache.store(request.prompt_ids + request.output_ids, cache, request.features)
-            request.features = None
+            request.prefix_cached, request.features = False, None
 
     def commit(self, request: Request, cache, out: TargetOutput, result: VerifyResult) -> None:
         """Keep the root and the accepted nodes of the step's verify in the target cache."""

@@ -32,8 +32,8 @@ MIN_REUSE_TOKENS = 16  # shorter shared prefixes are prefilled again: a copy and
 class _Entry:
     tokens: np.ndarray  # [n] int64 the tokens whose K/V the slot holds at positions 0..n-1
     cache: TargetCache  # keeps the slot
-    hidden: torch.Tensor  # [1, n, 3H] their capture hiddens
-    expert_ids: torch.Tensor  # [1, n, L_moe, topk] their router choices
+    hidden: torch.Tensor | None  # [1, n, 3H] their capture hiddens (None: the engine's drafter reads none)
+    expert_ids: torch.Tensor | None  # [1, n, L_moe, topk] their router choices (None with hidden)
 
 
 class SequenceFeatures:
@@ -46,7 +46,8 @@ class SequenceFeatures:
 
     def add(self, out: TargetOutput, positions: torch.Tensor) -> None:
         """The step's committed layout positions [n] of its verify output."""
-        positions = positions.to(out.hidden.device)
+        if positions.device != out.hidden.device:  # .to() costs ~4 us even when it has nothing to do
+            positions = positions.to(out.hidden.device)
         self._hidden.append(out.hidden.index_select(1, positions))
         self._expert_ids.append(out.expert_ids.index_select(1, positions))
 
@@ -89,7 +90,8 @@ class PrefixCache:
 
     def prefill(self, cache: TargetCache, prompt: torch.Tensor) -> TargetOutput:
         """`target.prefill(cache, prompt)` for prompt [1, L] into an empty cache, reusing the longest
-        cached prefix: logits of the last prompt token, hiddens and expert ids of all L tokens."""
+        cached prefix: logits of the last prompt token, hiddens and expert ids of all L tokens (of the
+        recomputed ones only when the entry kept none: its engine's drafter reads no target features)."""
         entry, m = self.match(prompt[0].tolist())
         if entry is None:
             self.misses += 1
@@ -99,13 +101,16 @@ class PrefixCache:
         self._entries.move_to_end(id(entry.cache))
         self.target.copy_prefix(cache, entry.cache, m)
         rest = self.target.prefill(cache, prompt[:, m:])
+        if entry.hidden is None:
+            return rest
         return TargetOutput(logits=rest.logits, hidden=torch.cat([entry.hidden[:, :m], rest.hidden], dim=1),
                             expert_ids=torch.cat([entry.expert_ids[:, :m], rest.expert_ids], dim=1))
 
-    def store(self, tokens: list[int], cache: TargetCache, features: SequenceFeatures) -> None:
+    def store(self, tokens: list[int], cache: TargetCache, features: SequenceFeatures | None) -> None:
         """Keep a finished request's slot: `tokens` its prompt and output, of which the cache holds the
         K/V of the first `cache.num_tokens` (all but the last output token; fewer when a stop string
-        cut committed tokens). The request must not use the cache any more."""
+        cut committed tokens), and `features` of those positions when its drafter needs them (None:
+        kept without). The request must not use the cache any more."""
         n = min(cache.num_tokens, len(tokens))
         if cache.num_pending or n < self.min_tokens:
             return
@@ -113,7 +118,7 @@ class PrefixCache:
         for key, entry in list(self._entries.items()):  # an entry this one extends (a chat's earlier turn) goes
             if len(entry.tokens) <= n and np.array_equal(entry.tokens, kept[:len(entry.tokens)]):
                 del self._entries[key]
-        hidden, expert_ids = features.first(n)
+        hidden, expert_ids = features.first(n) if features is not None else (None, None)
         self._entries[id(cache)] = _Entry(kept, cache, hidden, expert_ids)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)  # the least recently used: its slot returns to the pool
