@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from tests.engine.distribution import chi_square, exact_first_tokens
+from tests.models.conftest import count_calls
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.core.cost import ExpertCostModel
 from trtllm_moespec.engine.batch import BatchedEngine, pad_layouts
@@ -103,15 +104,7 @@ class _Scripted(GoodputGuard):
 
 
 def _count_drafter_forwards(llm, monkeypatch) -> list[int]:
-    drafter, calls = llm.engine.draft_source.drafter, [0]
-    forward = drafter.forward
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(drafter, "forward", counted)
-    return calls
+    return count_calls(monkeypatch, llm.engine.draft_source.drafter, "forward")
 
 
 def test_plain_batch_steps_run_no_drafter_forward(checkpoints, references_qwen, monkeypatch):
@@ -127,15 +120,7 @@ def test_a_batch_drafts_with_one_drafter_forward_per_drafting_step(checkpoints, 
     """B requests speculating together: each drafting step is one packed drafter forward for all
     of them, and their accepted tokens go to the drafter in one more (not B of each)."""
     llm = _llm(checkpoints, "qwen3_moe", "eagle3", tree=TreeConfig(steps=3, topk=2, max_draft_tokens=6))
-    drafter = llm.engine.draft_source.drafter
-    forwards = [0]
-    fused = drafter._forward_fused
-
-    def counted(*args, **kwargs):
-        forwards[0] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(drafter, "_forward_fused", counted)
+    forwards = count_calls(monkeypatch, llm.engine.draft_source.drafter, "_forward_fused")
     requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS[:3]]
     engine = BatchedEngine(llm.engine, max_batch_size=3)
     for r in requests:

@@ -59,3 +59,15 @@ def drafter(tmp_path_factory):
     path = write_random_drafter(target.config, tmp_path_factory.mktemp("eagle3"), seed=3, draft_vocab_size=96,
                                 with_embeddings=False, init_std=0.2)
     return load_eagle3(path, target=target)
+
+
+def count_calls(monkeypatch, obj, name: str) -> list[int]:
+    """Count calls of obj.<name> from now on (the count is element 0 of the returned list)."""
+    calls, method = [0], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls

@@ -10,7 +10,7 @@ import torch
 from trtllm_moespec.models.eagle3 import PackedSegment, load_eagle3, write_random_drafter
 from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree, draft_eagle3_trees
 
-from .conftest import qwen3_moe_config
+from .conftest import count_calls, qwen3_moe_config
 
 TOL = dict(atol=1e-10, rtol=0)
 PROMPT_LENS = (5, 9, 3)
@@ -100,14 +100,7 @@ def test_trees_drafted_together_equal_trees_drafted_alone(drafter, ddd_threshold
     caches = _caches(drafter)
     alone = [draft_eagle3_tree(drafter, c, 4, 3, ddd_threshold, rule)  # drafting leaves the cache as it was
              for c, rule in zip(caches, [None, _stop_after(1), None])]
-    forwards = [0]
-    fused = drafter._forward_fused
-
-    def counted(*args, **kwargs):
-        forwards[0] += 1
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(drafter, "_forward_fused", counted)
+    forwards = count_calls(monkeypatch, drafter, "_forward_fused")
     together = draft_eagle3_trees(drafter, caches, 4, 3, ddd_threshold, [None, _stop_after(1), None])
     for t, a in zip(together, alone):
         assert t.num_forwards == a.num_forwards
