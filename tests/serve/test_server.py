@@ -152,9 +152,11 @@ def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm
             first = chat(server, turn1)
             turn2 = turn1 + [first, {"role": "user", "content": "now sort it as well"}]
             answers.append((first["content"], chat(server, turn2)["content"]))
+            metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert answers[0] == answers[1]
     pc = cached.engine.prefix_cache
     assert pc.hits == 1 and pc.reused_tokens > 20
+    assert "moespec_prefix_cache_hits_total 1\n" in metrics and f"moespec_prefix_cache_reused_tokens_total {pc.reused_tokens}" in metrics
 
 
 def test_disconnected_clients_free_their_slots(tiny_llm):

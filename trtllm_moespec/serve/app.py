@@ -119,7 +119,8 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.scheduler.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(server.scheduler.metrics.render(server.llm.engine.prefix_cache),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -78,8 +78,8 @@ class ServeMetrics:
         span = max(min(self.window_s, now - self._start), 1e-3)
         return sum(n for _, n in recent) / span
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
+    def render(self, prefix_cache=None) -> str:
+        """The Prometheus text exposition of every metric (and of the engine's prefix cache, if any)."""
         tps = self.tokens_per_s()
         with self._lock:
             it = max(self.iterations, 1)
@@ -100,6 +100,13 @@ class ServeMetrics:
                 ("requests_finished_total", "counter", "requests that completed", self.finished),
                 ("requests_failed_total", "counter", "requests that ended with an error", self.failed),
                 ("requests_cancelled_total", "counter", "requests abandoned by their client", self.cancelled),
+            ]
+        if prefix_cache is not None:  # counters the scheduler thread bumps: a read of three ints
+            rows += [
+                ("prefix_cache_hits_total", "counter", "prompts that reused a kept prefix", prefix_cache.hits),
+                ("prefix_cache_misses_total", "counter", "prompts prefilled in full", prefix_cache.misses),
+                ("prefix_cache_reused_tokens_total", "counter", "prompt tokens not prefilled thanks to the cache",
+                 prefix_cache.reused_tokens),
             ]
         lines = []
         for name, kind, help_text, value in rows:
