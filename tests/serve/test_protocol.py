@@ -42,7 +42,10 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "stop": ["", "x"]}, "stop"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 17}, "n"),
+    ({"prompt": "a", "n": "2"}, "n"),
+    ({"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
     ({"prompt": "a", "logprobs": 2, "stream": True}, "logprobs"),
@@ -57,6 +60,12 @@ def test_bad_completion_fields_name_the_field(body, param):
     with pytest.raises(BadRequest) as e:
         parse_completion(body)
     assert e.value.param == param
+
+
+def test_n_choices_per_prompt():
+    assert parse_completion({"prompt": "a"}).n == 1
+    assert parse_completion({"prompt": "a", "n": 3}).n == 3
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).n == 2
 
 
 def test_logprobs_map_to_the_number_of_alternatives():

@@ -159,6 +159,30 @@ def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm
     assert "moespec_prefix_cache_hits_total 1\n" in metrics and f"moespec_prefix_cache_reused_tokens_total {pc.reused_tokens}" in metrics
 
 
+def test_n_choices_are_the_requests_of_seed_plus_j(tiny_llm):
+    """n=3 sampled choices of two prompts (six requests sharing the batch) are LLM.generate's with seeds
+    5, 6, 7 in OpenAI's order; a streamed chat with n=2 delivers both choices."""
+    params = lambda seed: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=50, seed=seed)  # noqa: E731
+    want = [tiny_llm.generate([p], params(5 + j))[0].text for p in PROMPTS[:2] for j in range(3)]
+    body = {"prompt": PROMPTS[:2], "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_k": 50, "seed": 5, "n": 3}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/completions", json=body),
+                _stream(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 4, "temperature": 0, "n": 2}))
+
+    with ServerThread(tiny_llm, max_batch_size=4, chat_template=TEMPLATE) as server:
+        completion, (text, finishes, usage) = _run(clients(server.url))
+    choices = completion.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6)) and [c["text"] for c in choices] == want
+    assert len(set(want[:3])) > 1  # the seeds differ, so do the samples
+    assert finishes.count("length") == 2 and usage["completion_tokens"] == 8
+    prompt_tokens = len(tiny_llm.encode(PROMPTS[0])[0]) + len(tiny_llm.encode(PROMPTS[1])[0])
+    assert completion.json()["usage"]["prompt_tokens"] == prompt_tokens  # each prompt counted once
+
+
 def test_disconnected_clients_free_their_slots(tiny_llm):
     long = {"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
@@ -188,7 +212,7 @@ def test_disconnected_clients_free_their_slots(tiny_llm):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "max_tokens": 5000}, 400, None),  # longer than the context
     ({"prompt": [999999], "max_tokens": 2}, 400, None),  # token id out of the vocabulary
     ({"prompt": "x", "model": "gpt-4"}, 404, None),

@@ -39,6 +39,7 @@ class _Choice:
     ids: list[int] = field(default_factory=list)  # tokens as delivered (the request's own list is the engine's)
     finish_reason: str | None = None
     error: str | None = None
+    counts_prompt: bool = True  # False for choices 2..n of a prompt: usage counts a prompt once
 
 
 class Server:
@@ -60,12 +61,14 @@ class Server:
         with self._tokenizer_lock:
             batch = self.llm.encode(list(req.prompts)) if req.prompts else [self._chat_ids(req.messages)]
         choices = []
-        for i, ids in enumerate(batch):
+        for ids in batch:
             params = req.params
             if req.max_tokens is None:  # chat default: the rest of the context
                 params = replace(params, max_tokens=max(self.llm.target.max_position_embeddings - len(ids), 1))
-            request = make_request(self.llm, ids, params, self._tokenizer_lock)
-            choices.append(_Choice(i, request, TextStream(self.decode, params.stop)))
+            for j in range(req.n):  # OpenAI's order: the choices of prompt 0, then those of prompt 1, ...
+                seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+                request = make_request(self.llm, ids, seeded, self._tokenizer_lock)
+                choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0))
         return choices
 
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -153,8 +156,6 @@ async def _generate(server: Server, http: HttpRequest, chat: bool):
         return _error(404, str(e), code="model_not_found")
     except ValueError as e:
         return _error(400, str(e))
-    if req.stream and chat and len(choices) != 1:
-        return _error(400, "chat requests generate one choice")
     try:
         events = server.submit(choices)
     except QueueFull as e:
@@ -208,7 +209,7 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
                         "logprobs": logprobs, "finish_reason": c.finish_reason})
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    prompt = sum(len(c.request.prompt_ids) for c in choices)
+    prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
     completion = sum(len(c.request.output_ids) for c in choices)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
@@ -268,7 +269,7 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
             else:
                 yield chunk([piece(c, c.text.finish(c.request.output_ids), c.finish_reason)])
         if include_usage:
-            prompt = sum(len(c.request.prompt_ids) for c in choices)
+            prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
             completion = sum(len(c.request.output_ids) for c in choices)
             yield chunk([], usage=usage(prompt, completion))
         yield "data: [DONE]\n\n"

@@ -4,7 +4,8 @@ Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM u
 send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
 that the engine does not implement (n > 1, penalties, echo, logit_bias, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
-change the output (`user`, ...) are ignored. `logprobs` (completions: how many alternatives;
+change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
+of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
 chat: `logprobs` + `top_logprobs`) is served without streaming.
 """
 
@@ -20,7 +21,7 @@ from ..core.logprobs import MAX_LOGPROBS
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
-    ("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+    ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")), ("logit_bias", (None, {})),
     ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
     ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
     ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
@@ -28,6 +29,7 @@ _UNSUPPORTED = (
     ("guided_choice", (None,)), ("guided_grammar", (None,)),
 )
 MAX_SEED = 2**63
+MAX_N = 16  # most choices per prompt (`n`): each is a request of its own
 
 
 class BadRequest(ValueError):
@@ -49,6 +51,7 @@ class GenerationRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+    n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -64,8 +67,6 @@ def parse_completion(body: Any) -> GenerationRequest:
 def parse_chat(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (raises BadRequest)."""
     body = _object(body)
-    if body.get("n") not in (None, 1):
-        raise BadRequest("only n=1 is supported", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     top = body.get("top_logprobs")
     if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
@@ -80,6 +81,10 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     for name, allowed in _UNSUPPORTED:
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", "n")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", "model")
@@ -108,8 +113,10 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    if n > 1 and seed is not None and seed + n > MAX_SEED:
+        raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
-                             bool((options or {}).get("include_usage", False)))
+                             bool((options or {}).get("include_usage", False)), n)
 
 
 # ---------------------------------------------------------------------- field checks
