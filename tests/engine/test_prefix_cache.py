@@ -125,3 +125,21 @@ def test_bad_prefix_cache_settings_are_refused(checkpoints):
     assert b.num_tokens == 3
     with pytest.raises(ValueError, match="empty cache"):
         llm.target.copy_prefix(b, a, 2)
+
+
+def test_a_drafter_started_on_a_kept_prefix_equals_one_prefilled_in_full(checkpoints):
+    """Eagle3Source.start with a DrafterPrefix copies the positions the shared prefix determines and
+    extends over the rest: the cache equals a full drafter prefill of the new prompt."""
+    from trtllm_moespec.engine.prefix_cache import DrafterPrefix
+
+    llm = _llm(checkpoints, "qwen3_moe", "eagle3")
+    source, target = llm.engine.draft_source, llm.target
+    old, new = torch.tensor([TURNS[0]]), torch.tensor([TURNS[1]])
+    kept = source.start(old, target.prefill(target.new_cache(), old), root=3).cache
+    full = target.prefill(target.new_cache(), new)
+    m = len(TURNS[0])  # the prompts share 33 tokens: drafter positions 0..31 carry over
+    alone = source.start(new, full, root=7).cache
+    reused = source.start(new, full, root=7, prefix=DrafterPrefix(kept, m - 1)).cache
+    assert reused.num_tokens == alone.num_tokens == new.shape[1]
+    for a, b in ((reused.keys, alone.keys), (reused.values, alone.values), (reused.last_logits, alone.last_logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -155,7 +155,8 @@ class BatchedEngine:
             outputs += spec_outputs
         for out in outputs:
             if out.finished:
-                self.engine.keep_prefix(out.request, self._active[id(out.request)].cache)
+                active = self._active[id(out.request)]
+                self.engine.keep_prefix(out.request, active.cache, active.drafter)
                 self.abort(out.request)
         return outputs, experts
 
@@ -168,11 +169,11 @@ class BatchedEngine:
         for a in new:
             a.cache = self.target.new_cache()
         outputs = []
-        for active, prompt, prefill in zip(new, prompts, self._prefill(new, prompts)):
+        for active, prompt, (prefill, drafter_prefix) in zip(new, prompts, self._prefill(new, prompts)):
             request = active.request
             engine.track(request, prefill)
             root = engine._first_token(prefill, request)
-            active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root),
+            active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root, drafter_prefix),
                                             lazy=self._defer_drafter)
             if engine.values is not None and engine.policy.uses_values:
                 active.values = engine.values.for_request(request.sampling)
@@ -183,16 +184,17 @@ class BatchedEngine:
             active.request.prefill_ms = prefill_ms
         return outputs
 
-    def _prefill(self, new: list[_Active], prompts: list[torch.Tensor]) -> list[TargetOutput]:
-        """The new requests' prompts: those with a cached prefix through the prefix cache one by one
-        (each forward covers only the rest of its prompt), the others together in one forward."""
+    def _prefill(self, new: list[_Active], prompts: list[torch.Tensor]) -> list[tuple[TargetOutput, object]]:
+        """The new requests' prompts and what their drafters may copy: those with a cached prefix through
+        the prefix cache one by one (each forward covers only the rest of its prompt), the others
+        together in one forward."""
         cached = self.engine.prefix_cache
         reuse = [cached is not None and cached.match(a.request.prompt_ids)[0] is not None for a in new]
         cold = [b for b, r in enumerate(reuse) if not r]
-        outs: list[TargetOutput | None] = [None] * len(new)
+        outs: list[tuple | None] = [None] * len(new)
         if cold:
             for b, out in zip(cold, prefill_batch(self.target, [new[b].cache for b in cold], [prompts[b] for b in cold])):
-                outs[b] = out
+                outs[b] = out, None
             if cached is not None:
                 cached.misses += len(cold)
         for b in (b for b, r in enumerate(reuse) if r):

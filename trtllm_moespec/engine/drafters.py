@@ -7,7 +7,7 @@ so one loaded model can serve many requests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -16,6 +16,9 @@ from ..core.verify import VerifyResult
 from ..models.cuda_graphs import GraphCaptureError, warn_fallback
 from ..models.eagle3_draft import draft_eagle3_tree, draft_eagle3_trees
 from ..models.target import TargetOutput
+
+if TYPE_CHECKING:
+    from .prefix_cache import DrafterPrefix
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class NoDraft:
     name = "none"
     reads_target_features = False  # start() ignores the prompt's capture hiddens
 
-    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> None:
+    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int, prefix=None) -> None:
         return None
 
     def draft(self, state: Any, context: list[int], device: torch.device) -> Draft:
@@ -57,8 +60,9 @@ class LazyDraftStart:
     up on them in one forward when it drafts). A request that never speculates runs no drafter
     forward at all."""
 
-    def __init__(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int):
-        self.prompt_ids, self.prefill, self.root = prompt_ids, prefill, root
+    def __init__(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int,
+                 prefix: "DrafterPrefix | None" = None):
+        self.prompt_ids, self.prefill, self.root, self.prefix = prompt_ids, prefill, root, prefix
         self.plain_steps: list[tuple[VerifyResult, torch.Tensor]] = []
 
     def add(self, result: VerifyResult, root_hidden: torch.Tensor) -> bool:
@@ -70,7 +74,7 @@ class LazyDraftStart:
 
     def start(self, source) -> Any:
         """The source's per-request state, as if it had started at the prefill and deferred every kept step."""
-        state = source.start(self.prompt_ids, self.prefill, self.root)
+        state = source.start(self.prompt_ids, self.prefill, self.root, self.prefix)
         for result, root_hidden in self.plain_steps:
             source.defer(state, result, root_hidden)
         self.plain_steps = []
@@ -97,9 +101,19 @@ class Eagle3Source:
         # None: `Eagle3Drafter.draft_tree` as is (the CPU path).
         self.frontier_runner = frontier_runner
 
-    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> "Eagle3State":
+    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int,
+              prefix: "DrafterPrefix | None" = None) -> "Eagle3State":
+        """A request's drafter state: its cache prefilled with the prompt (drafter position t pairs the
+        target hidden at t with token t+1, the root after the last). With a `prefix` (a kept request's
+        drafter cache whose first positions the prompt shares) those positions are copied, not recomputed."""
         cache = self.drafter.new_cache()
-        self.drafter.prefill(cache, prompt_ids, prefill.hidden, next_token=root)
+        if prefix is None:
+            self.drafter.prefill(cache, prompt_ids, prefill.hidden, next_token=root)
+            return Eagle3State(cache)
+        k = prefix.length
+        self.drafter.copy_prefix(cache, prefix.cache, k)
+        shifted = torch.cat([prompt_ids[:, 1:], prompt_ids.new_tensor([[int(root)]])], dim=1)
+        self.drafter.extend(cache, shifted[:, k:], prefill.hidden[:, k:])
         return Eagle3State(cache)
 
     def draft(self, state: "Eagle3State", context: list[int], device: torch.device) -> Draft:
@@ -229,7 +243,7 @@ class NgramSource:
     def __init__(self, drafter):
         self.drafter = drafter
 
-    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int) -> None:
+    def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int, prefix=None) -> None:
         return None
 
     def draft(self, state, context: list[int], device: torch.device) -> Draft:
@@ -282,6 +296,11 @@ class RequestDrafter:
     def draft(self, context: list[int], device: torch.device) -> Draft:
         self._start()
         return self.source.draft(self.state, context, device)
+
+    def kept_cache(self):
+        """The drafter cache a finished request leaves to the prefix cache (None: never started, or a
+        source without one)."""
+        return getattr(self.state, "cache", None)
 
     def commit(self, result: VerifyResult, verify: TargetOutput) -> None:
         self.source.commit(self.state, result, verify)

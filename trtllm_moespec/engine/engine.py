@@ -28,7 +28,7 @@ from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
 from .guard import Guard, GuardState
-from .prefix_cache import PrefixCache, SequenceFeatures
+from .prefix_cache import DrafterPrefix, PrefixCache, SequenceFeatures
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -81,14 +81,15 @@ class SpecEngine:
         prompt = torch.tensor([request.prompt_ids], dtype=torch.int64, device=device)
         cache = self.target.new_cache()
         t0 = time.perf_counter()
-        prefill = self.prefill(request, cache, prompt)
+        prefill, drafter_prefix = self.prefill(request, cache, prompt)
         root = self._first_token(prefill, request)
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
-        drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root), lazy=self.guard is not None)
+        drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root, drafter_prefix),
+                                 lazy=self.guard is not None)
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root], prefill.logits[0, -1:]):
             yield request.output_ids[-1:]
-            self.keep_prefix(request, cache)
+            self.keep_prefix(request, cache, drafter)
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
@@ -100,15 +101,16 @@ class SpecEngine:
             done = self._step(request, cache, drafter, values, guard)
             yield request.output_ids[before:]
             if done:
-                self.keep_prefix(request, cache)
+                self.keep_prefix(request, cache, drafter)
                 return
 
-    def prefill(self, request: Request, cache, prompt: torch.Tensor) -> TargetOutput:
+    def prefill(self, request: Request, cache, prompt: torch.Tensor) -> tuple[TargetOutput, DrafterPrefix | None]:
         """The prompt [1, L] into an empty cache, through the prefix cache when there is one (which
-        then follows the request's committed features)."""
+        then follows the request's committed features), and what its drafter may copy (None: nothing)."""
         if self.prefix_cache is None:
-            return self.target.prefill(cache, prompt)
-        return self.track(request, self.prefix_cache.prefill(cache, prompt))
+            return self.target.prefill(cache, prompt), None
+        out, drafter_prefix = self.prefix_cache.prefill(cache, prompt)
+        return self.track(request, out), drafter_prefix
 
     def track(self, request: Request, prefill: TargetOutput) -> TargetOutput:
         """With a prefix cache: the request's K/V will be kept when it finishes, and, when the drafter reads
@@ -120,10 +122,11 @@ class SpecEngine:
                 request.features = SequenceFeatures(prefill)
         return prefill
 
-    def keep_prefix(self, request: Request, cache) -> None:
-        """A finished request's K/V go to the prefix cache (when there is one)."""
+    def keep_prefix(self, request: Request, cache, drafter: RequestDrafter) -> None:
+        """A finished request's K/V (and its drafter's, if it ran) go to the prefix cache (when there is one)."""
         if request.prefix_cached:
-            self.prefix_cache.store(request.prompt_ids + request.output_ids, cache, request.features)
+            kept = drafter.kept_cache() if request.features is not None else None
+            self.prefix_cache.store(request.prompt_ids + request.output_ids, cache, request.features, kept)
             request.prefix_cached, request.features = False, None
 
     def commit(self, request: Request, cache, out: TargetOutput, result: VerifyResult) -> None:

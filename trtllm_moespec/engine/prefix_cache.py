@@ -6,7 +6,9 @@ its cache slot (which holds the K/V of its prompt and of every output token but 
 positions 0..n-1) is kept as an entry, with those positions' capture hiddens and expert ids (an
 EAGLE-3 drafter started on a new request needs the target's features at every prompt position).
 A new prompt that shares at least `min_tokens` leading tokens with an entry gets that prefix's K/V
-copied into its own slot (one copy over all layers) and prefills only the rest.
+copied into its own slot (one copy over all layers) and prefills only the rest. An EAGLE-3 drafter
+that ran for the kept request leaves its cache too: the new request's drafter copies the positions
+the shared prefix determines and runs only over the rest.
 
 The reused keys are the ones the same tokens at the same positions produce, so outputs equal a
 full prefill's up to float rounding (the prefix was computed in forwards of other lengths, as a
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +37,17 @@ class _Entry:
     cache: TargetCache  # keeps the slot
     hidden: torch.Tensor | None  # [1, n, 3H] their capture hiddens (None: the engine's drafter reads none)
     expert_ids: torch.Tensor | None  # [1, n, L_moe, topk] their router choices (None with hidden)
+    drafter: Any = None  # the request's EAGLE-3 drafter cache (models.eagle3.Eagle3Cache), if its drafter ran
+
+
+@dataclass(frozen=True)
+class DrafterPrefix:
+    """What a new request's drafter may copy from a kept one: the first `length` positions of `cache`
+    (drafter position t pairs target position t's hidden with token t+1, so t < m - 1 of an m-token
+    shared prefix)."""
+
+    cache: Any  # models.eagle3.Eagle3Cache
+    length: int
 
 
 class SequenceFeatures:
@@ -88,29 +102,34 @@ class PrefixCache:
                 best, best_len = entry, shared
         return (best, best_len) if best_len >= self.min_tokens else (None, 0)
 
-    def prefill(self, cache: TargetCache, prompt: torch.Tensor) -> TargetOutput:
+    def prefill(self, cache: TargetCache, prompt: torch.Tensor) -> tuple[TargetOutput, DrafterPrefix | None]:
         """`target.prefill(cache, prompt)` for prompt [1, L] into an empty cache, reusing the longest
         cached prefix: logits of the last prompt token, hiddens and expert ids of all L tokens (of the
-        recomputed ones only when the entry kept none: its engine's drafter reads no target features)."""
+        recomputed ones only when the entry kept none: its engine's drafter reads no target features),
+        and what the request's drafter may copy from the entry's (None: start from scratch)."""
         entry, m = self.match(prompt[0].tolist())
         if entry is None:
             self.misses += 1
-            return self.target.prefill(cache, prompt)
+            return self.target.prefill(cache, prompt), None
         self.hits += 1
         self.reused_tokens += m
         self._entries.move_to_end(id(entry.cache))
         self.target.copy_prefix(cache, entry.cache, m)
         rest = self.target.prefill(cache, prompt[:, m:])
         if entry.hidden is None:
-            return rest
-        return TargetOutput(logits=rest.logits, hidden=torch.cat([entry.hidden[:, :m], rest.hidden], dim=1),
-                            expert_ids=torch.cat([entry.expert_ids[:, :m], rest.expert_ids], dim=1))
+            return rest, None
+        k = min(m - 1, entry.drafter.num_tokens) if entry.drafter is not None else 0
+        out = TargetOutput(logits=rest.logits, hidden=torch.cat([entry.hidden[:, :m], rest.hidden], dim=1),
+                           expert_ids=torch.cat([entry.expert_ids[:, :m], rest.expert_ids], dim=1))
+        return out, DrafterPrefix(entry.drafter, k) if k > 0 else None
 
-    def store(self, tokens: list[int], cache: TargetCache, features: SequenceFeatures | None) -> None:
+    def store(self, tokens: list[int], cache: TargetCache, features: SequenceFeatures | None,
+              drafter_cache: Any = None) -> None:
         """Keep a finished request's slot: `tokens` its prompt and output, of which the cache holds the
         K/V of the first `cache.num_tokens` (all but the last output token; fewer when a stop string
-        cut committed tokens), and `features` of those positions when its drafter needs them (None:
-        kept without). The request must not use the cache any more."""
+        cut committed tokens), `features` of those positions when its drafter needs them (None:
+        kept without), and its drafter's cache if the drafter ran. The request must use neither
+        cache any more."""
         n = min(cache.num_tokens, len(tokens))
         if cache.num_pending or n < self.min_tokens:
             return
@@ -119,7 +138,7 @@ class PrefixCache:
             if len(entry.tokens) <= n and np.array_equal(entry.tokens, kept[:len(entry.tokens)]):
                 del self._entries[key]
         hidden, expert_ids = features.first(n) if features is not None else (None, None)
-        self._entries[id(cache)] = _Entry(kept, cache, hidden, expert_ids)
+        self._entries[id(cache)] = _Entry(kept, cache, hidden, expert_ids, drafter_cache)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)  # the least recently used: its slot returns to the pool
 

@@ -632,6 +632,18 @@ class Eagle3Drafter(nn.Module):
             c.num_tokens = seg.start + seg.length
             c.last_logits, c.last_hidden = out.logits[:, end - 1], out.hidden[:, end - 1]
 
+    def copy_prefix(self, dst: Eagle3Cache, src: Eagle3Cache, length: int) -> None:
+        """Give the empty cache `dst` the first `length` committed positions of `src` (K/V copied; the
+        last-position outputs come with the next `extend`)."""
+        if dst.num_tokens:
+            raise ValueError("copy_prefix fills an empty drafter cache")
+        if not 0 < length <= src.num_tokens:
+            raise ValueError(f"copy_prefix of {length} positions from a drafter cache holding {src.num_tokens}")
+        a = self.midlayer.self_attn
+        kv = dst.reserve(length, a.num_kv_heads, a.head_dim, src.kv.dtype, src.kv.device)
+        kv[:, :, :, :length] = src.kv[:, :, :, :length]
+        dst.num_tokens = length
+
     def prefill(self, cache: Eagle3Cache, input_ids: torch.Tensor, target_hidden: torch.Tensor, next_token: int) -> None:
         """After the target prefilled input_ids [1, T] (hidden [1, T, 3H]) and `next_token` (the
         root) was chosen: drafter positions 0..T-1 get tokens x_1..x_{T-1}, next_token."""
