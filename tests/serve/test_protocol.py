@@ -48,7 +48,6 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
-    ({"prompt": "a", "logprobs": 2, "stream": True}, "logprobs"),
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
@@ -72,6 +71,7 @@ def test_logprobs_map_to_the_number_of_alternatives():
     assert parse_completion({"prompt": "a"}).params.logprobs is None
     assert parse_completion({"prompt": "a", "logprobs": 0}).params.logprobs == 0
     assert parse_completion({"prompt": "a", "logprobs": 5}).params.logprobs == 5
+    assert parse_completion({"prompt": "a", "logprobs": 5, "stream": True}).params.logprobs == 5
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert parse_chat(chat).params.logprobs is None
     assert parse_chat({**chat, "logprobs": True}).params.logprobs == 0
@@ -83,7 +83,6 @@ def test_logprobs_map_to_the_number_of_alternatives():
     ({"top_logprobs": 2}, "top_logprobs"),  # OpenAI: top_logprobs needs logprobs=true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),
-    ({"logprobs": True, "stream": True}, "logprobs"),
 ])
 def test_bad_chat_logprobs_name_the_field(extra, param):
     with pytest.raises(BadRequest) as e:

@@ -27,27 +27,34 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, list[str | None], dict | None]:
-    """Text, finish reasons and usage of one SSE stream (asserts the [DONE] terminator)."""
-    text, finishes, usage, done = "", [], None, False
+async def _chunks(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
+    """The chunks of one SSE stream, with usage (asserts the [DONE] terminator and no error)."""
+    chunks, done = [], False
     async with client.stream("POST", path, json={**body, "stream": True,
                                                  "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         async for line in r.aiter_lines():
             if not line:
                 continue
-            assert line.startswith("data: ")
+            assert line.startswith("data: ") and not done
             if line == "data: [DONE]":
                 done = True
                 continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for c in chunk["choices"]:
-                text += c["delta"].get("content", "") if "delta" in c else c["text"]
-                finishes.append(c["finish_reason"])
+            chunks.append(json.loads(line[6:]))
+            assert "error" not in chunks[-1], chunks[-1]
     assert done
+    return chunks
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> tuple[str, list[str | None], dict | None]:
+    """Text, finish reasons and usage of one SSE stream."""
+    text, finishes, usage = "", [], None
+    for chunk in await _chunks(client, path, body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk["choices"]:
+            text += c["delta"].get("content", "") if "delta" in c else c["text"]
+            finishes.append(c["finish_reason"])
     return text, finishes, usage
 
 
@@ -132,6 +139,42 @@ def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
     assert "".join(c["token"] for c in content) == chat["choices"][0]["message"]["content"]
     assert all(len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6
                and c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+def test_streamed_logprobs_add_up_to_the_non_streamed_response(tiny_llm):
+    """Each chunk carries its step's tokens' logprobs, also when a stop string holds the text back:
+    joined (text_offset included), they are the non-streamed response's, for completions and chat."""
+    text = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # cuts the output halfway: tokens after it are never sent
+    completion = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2, "stop": [stop]}
+    chat = {"messages": [{"role": "user", "content": "sort"}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(_chunks(client, "/v1/completions", completion),
+                                        client.post("/v1/completions", json=completion),
+                                        _chunks(client, "/v1/chat/completions", chat),
+                                        client.post("/v1/chat/completions", json=chat))
+
+    with ServerThread(tiny_llm, max_batch_size=4, chat_template=TEMPLATE) as server:
+        streamed, whole, streamed_chat, whole_chat = _run(clients(server.url))
+    parts = [c["logprobs"] for chunk in streamed for c in chunk["choices"] if c["logprobs"] is not None]
+    assert len(parts) > 1  # logprobs came step by step
+    want = whole.json()["choices"][0]
+    cut = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop]))[0]
+    assert want["finish_reason"] == "stop" and want["text"] == cut.text and len(cut.token_ids) < MAX_TOKENS // 2
+    joined = {key: [x for p in parts for x in p[key]] for key in parts[0]}
+    # logprobs to float rounding: the two requests ran in different batches
+    assert joined["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert [list(d) for d in joined["top_logprobs"]] == [list(d) for d in want["logprobs"]["top_logprobs"]]
+    assert joined["tokens"] == want["logprobs"]["tokens"] and joined["text_offset"] == want["logprobs"]["text_offset"]
+    parts = [c["logprobs"] for chunk in streamed_chat for c in chunk["choices"] if c["logprobs"] is not None]
+    assert len(parts) > 1 and all(p["refusal"] is None for p in parts)
+    content, want = [x for p in parts for x in p["content"]], whole_chat.json()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in content] == \
+        [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in want]
+    assert [c["logprob"] for c in content] == pytest.approx([c["logprob"] for c in want], abs=1e-4)
 
 
 def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm):

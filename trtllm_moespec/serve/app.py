@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..api import LLM
+from ..core.logprobs import TokenLogprob
 from ..engine.engine import Request
 from ..detokenize import IncrementalText, TextStream
 from .engine import make_request
@@ -203,7 +204,11 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
     out = []
     for c in choices:
         text = server.decode(c.request.output_ids)
-        logprobs = None if c.request.logprobs is None else (_chat_logprobs if chat else _completion_logprobs)(server, c.request)
+        logprobs = None
+        if c.request.logprobs is not None:
+            entries = c.request.output_logprobs
+            logprobs = (_chat_logprobs(server, entries) if chat else
+                        _completion_logprobs(server, c.request.output_ids, entries, 0, IncrementalText(server.decode)))
         if chat:
             out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                         "logprobs": logprobs, "finish_reason": c.finish_reason})
@@ -215,18 +220,18 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
 
 
-def _completion_logprobs(server: Server, request: Request) -> dict:
-    """The legacy completions `logprobs` object: each token's text and logprob, its top alternatives
-    and where its text starts in the completion."""
-    ids, entries = request.output_ids, request.output_logprobs
-    text = IncrementalText(server.decode)
+def _completion_logprobs(server: Server, ids: Sequence[int], entries: Sequence[TokenLogprob], start: int,
+                         text: IncrementalText) -> dict:
+    """The legacy completions `logprobs` object for output tokens start.. of `ids` (whose entries
+    these are): each token's text and logprob, its top alternatives and where its text starts in the
+    completion. `text` decodes prefixes of `ids`; a stream passes the same one for every chunk."""
     return {"tokens": [server.decode([e.token_id]) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{server.decode([t]): lp for t, lp in e.top} for e in entries],
-            "text_offset": [len(text.text(ids[:i])) for i in range(len(entries))]}
+            "text_offset": [len(text.text(ids[:i])) for i in range(start, start + len(entries))]}
 
 
-def _chat_logprobs(server: Server, request: Request) -> dict:
+def _chat_logprobs(server: Server, entries: Sequence[TokenLogprob]) -> dict:
     """The chat `logprobs` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict:
@@ -234,23 +239,37 @@ def _chat_logprobs(server: Server, request: Request) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
-                        for e in request.output_logprobs], "refusal": None}
+                        for e in entries], "refusal": None}
 
 
 async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue, rid: str, created: int,
                   chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: deltas as tokens commit, a finishing chunk per choice, [DONE]."""
+    """SSE chunks: deltas as tokens commit, a finishing chunk per choice, [DONE].
+
+    With logprobs, every step's tokens come with their logprobs in the chunk of that step, even when
+    its text is held back (an incomplete character, the possible start of a stop string) and the
+    chunk's text is empty: delivered tokens are final, so the chunks' logprobs add up to the
+    non-streamed response's, as their texts do."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    offsets = {c.index: IncrementalText(server.decode) for c in choices}  # text_offset of completion tokens
 
     def chunk(choice_list: list[dict], **extra) -> str:
         return _sse({"id": rid, "object": kind, "created": created, "model": server.model_name,
                      "choices": choice_list, **extra})
 
-    def piece(c: _Choice, text: str, finish: str | None, first: bool = False) -> dict:
+    def piece(c: _Choice, text: str, finish: str | None, first: bool = False, logprobs: dict | None = None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def step_logprobs(c: _Choice, event: TokenEvent) -> dict | None:
+        if c.request.logprobs is None:
+            return None
+        if chat:
+            return _chat_logprobs(server, event.logprobs)
+        start = len(c.ids) - len(event.token_ids)
+        return _completion_logprobs(server, c.ids, event.logprobs, start, offsets[c.index])
 
     try:
         if chat:
@@ -263,9 +282,9 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
             if isinstance(event, TokenEvent):
-                delta = c.text.push(c.ids)
-                if delta:
-                    yield chunk([piece(c, delta, None)])
+                delta, logprobs = c.text.push(c.ids), step_logprobs(c, event)
+                if delta or logprobs:
+                    yield chunk([piece(c, delta, None, logprobs=logprobs)])
             else:
                 yield chunk([piece(c, c.text.finish(c.request.output_ids), c.finish_reason)])
         if include_usage:

@@ -2,11 +2,11 @@
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
 send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
-that the engine does not implement (n > 1, penalties, echo, logit_bias, ...) are
+that the engine does not implement (penalties, echo, logit_bias, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
-chat: `logprobs` + `top_logprobs`) is served without streaming.
+chat: `logprobs` + `top_logprobs`) is served with and without streaming.
 """
 
 from __future__ import annotations
@@ -102,8 +102,6 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if seed is not None and (not _is_int(seed) or not 0 <= seed < MAX_SEED):
         raise BadRequest(f"'seed' must be an integer in [0, 2^63), got {seed!r}", "seed")
     stream = _bool(body, "stream")
-    if stream and logprobs is not None:
-        raise BadRequest("'logprobs' is not supported with stream=true", "logprobs")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..core.logprobs import TokenLogprob
 from ..engine.engine import Request
 from .engine import ServingEngine, StepOutput
 from .metrics import ServeMetrics
@@ -32,9 +33,11 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Tokens committed for one request by one engine step."""
+    """Tokens committed for one request by one engine step (final: stop strings were applied), with
+    their logprobs when the request asks for them."""
 
     token_ids: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,9 @@ class Scheduler:
         if ticket is None:
             return
         if out.new_ids:
-            ticket.num_tokens += len(out.new_ids)
-            ticket.sink(TokenEvent(out.new_ids))
+            start, ticket.num_tokens = ticket.num_tokens, ticket.num_tokens + len(out.new_ids)
+            logprobs = () if out.request.logprobs is None else tuple(out.request.output_logprobs[start:ticket.num_tokens])
+            ticket.sink(TokenEvent(out.new_ids, logprobs))
         if out.error is not None or out.finished:
             with self._cond:
                 del self._running[id(out.request)]
