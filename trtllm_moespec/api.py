@@ -52,12 +52,17 @@ class SamplingParams:
     # Report each output token's logprob under the target (raw logits: before temperature, top-k and top-p)
     # and this many most likely alternatives (0: none); None: off. RequestOutput.logprobs holds them.
     logprobs: int | None = None
+    # The same for every prompt token after the first (RequestOutput.prompt_logprobs): the prefill keeps
+    # every position's logits (a [L, V] block) and reuses no cached prefix.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             # torch.Generator.manual_seed takes 64 bits; a larger seed used to fail only after the model loaded
             raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
@@ -92,13 +97,16 @@ class RequestOutput:
     stats: GenerationStats
     steps: tuple[StepStats, ...] = ()  # per-iteration records
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids when SamplingParams.logprobs is set
+    # one per prompt token when SamplingParams.prompt_logprobs is set; None first (the first token has no context)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @staticmethod
     def of(request: Request, text: str) -> "RequestOutput":
         """The output of a finished engine request whose tokens decode to `text`."""
         return RequestOutput(list(request.prompt_ids), list(request.output_ids), text, request.finish_reason or "length",
                              request.stats(), tuple(request.steps),
-                             None if request.logprobs is None else tuple(request.output_logprobs))
+                             None if request.logprobs is None else tuple(request.output_logprobs),
+                             None if request.prompt_logprobs is None else (None, *request.prompt_token_logprobs))
 
 
 @dataclass(frozen=True)
@@ -298,7 +306,7 @@ class LLM:
         generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
         return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
-                       logprobs=params.logprobs)
+                       logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
 
     def _stop_check(self, params: SamplingParams):
         if not params.stop:

@@ -1,6 +1,7 @@
 """Logprobs of the output tokens: the target's raw log-softmax at each token's position, as
 transformers' forward over prompt + output gives it, under every policy, sampled or greedy, alone
-or batched, and still aligned with the tokens after eos and max_tokens cut a step's tokens."""
+or batched, and still aligned with the tokens after eos and max_tokens cut a step's tokens; and
+those of the prompt's tokens, alone, batched and beside a prefix cache."""
 
 from __future__ import annotations
 
@@ -98,7 +99,54 @@ def test_batched_logprobs_equal_transformers_forward(checkpoints, arch):
         torch.testing.assert_close(torch.tensor([e.logprob for e in r.output_logprobs]), chosen, atol=ATOL, rtol=0)
 
 
+def _check_prompt(logprobs, prompt_ids: list[int], ref: torch.Tensor, top_n: int) -> None:
+    """logprobs (None, then prompt tokens 1..) against ref [L, V]: the log-softmax at every prompt position."""
+    assert logprobs[0] is None and [e.token_id for e in logprobs[1:]] == prompt_ids[1:]
+    chosen = ref[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in logprobs[1:]]), chosen, atol=ATOL, rtol=0)
+    assert [[t for t, _ in e.top] for e in logprobs[1:]] == ref[:-1].topk(top_n, dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_prompt_logprobs_equal_transformers_forward_and_change_no_output(tiny, policy, monkeypatch):
+    """Every prompt token's logprob under its context (in blocks smaller than the prompt), and the
+    output of the same request without them."""
+    import trtllm_moespec.core.logprobs as core
+
+    monkeypatch.setattr(core, "PROMPT_LOGPROBS_CHUNK", 3)
+    llm = tiny[policy]
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2))[0]
+    assert out.token_ids == plain.token_ids and out.logprobs is None and plain.prompt_logprobs is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) > 3
+    _check_prompt(out.prompt_logprobs, out.prompt_token_ids, _prompt_reference(out.prompt_token_ids), 2)
+
+
+def _prompt_reference(prompt_ids: list[int]) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+
+
+def test_prompt_logprobs_in_a_batch_beside_a_prefix_cache():
+    """A batch admitted together: the request asking for prompt logprobs is prefilled alone (and
+    reuses no cached prefix, whose positions kept no logits); every output is the one alone."""
+    llm = LLM("moespec-tiny", policy="eagle3", prefix_cache=4)
+    ids = llm.encode([PROMPT * 6])[0]  # long enough to be cached
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = llm.generate([ids, ids[:-2]], params)  # also fills the prefix cache
+    requests = [llm.make_request(ids, SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=1)),
+                llm.make_request(ids[:-2], params)]
+    hits = llm.engine.prefix_cache.hits
+    BatchedEngine(llm.engine, max_batch_size=2).run_all(requests)
+    assert [r.output_ids for r in requests] == [w.token_ids for w in want]
+    assert llm.engine.prefix_cache.hits == hits + 1  # the second request reused its prefix, the first did not
+    _check_prompt([None, *requests[0].prompt_token_logprobs], ids, _prompt_reference(ids), 1)
+    assert requests[1].prompt_token_logprobs == []
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
-def test_bad_logprobs_are_refused(bad):
-    with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=bad)
+def test_bad_logprobs_are_refused(name, bad):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: bad})

@@ -48,7 +48,7 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "n": 2, "seed": 2**63 - 1}, "seed"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "echo": 1}, "echo"),
     ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": [1, "a"]}, "prompt"),
@@ -67,6 +67,15 @@ def test_n_choices_per_prompt():
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}).n == 2
 
 
+def test_echo_asks_for_the_prompts_logprobs_only_with_logprobs():
+    assert not parse_completion({"prompt": "a"}).echo
+    plain = parse_completion({"prompt": "a", "echo": True})
+    assert plain.echo and plain.params.prompt_logprobs is None
+    scored = parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert scored.params.prompt_logprobs == scored.params.logprobs == 1
+    assert parse_completion({"prompt": "a", "logprobs": 1}).params.prompt_logprobs is None
+
+
 def test_logprobs_map_to_the_number_of_alternatives():
     assert parse_completion({"prompt": "a"}).params.logprobs is None
     assert parse_completion({"prompt": "a", "logprobs": 0}).params.logprobs == 0
@@ -83,6 +92,7 @@ def test_logprobs_map_to_the_number_of_alternatives():
     ({"top_logprobs": 2}, "top_logprobs"),  # OpenAI: top_logprobs needs logprobs=true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),
+    ({"echo": True}, "echo"),  # a completions field
 ])
 def test_bad_chat_logprobs_name_the_field(extra, param):
     with pytest.raises(BadRequest) as e:

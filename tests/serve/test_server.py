@@ -177,6 +177,44 @@ def test_streamed_logprobs_add_up_to_the_non_streamed_response(tiny_llm):
     assert [c["logprob"] for c in content] == pytest.approx([c["logprob"] for c in want], abs=1e-4)
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_as_evaluation_harnesses_read_them(tiny_llm):
+    """An lm-eval style loglikelihood request (echo, logprobs=1, max_tokens=1), with a token-id prompt
+    too, and the same streamed: the prompt's text, then its tokens' logprobs (the first null) equal
+    to `LLM.generate(prompt_logprobs=1)`'s, then the completion's."""
+    prompt = PROMPTS[0] + PROMPTS[2]
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
+    ids = out.prompt_token_ids
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/completions", json=body),
+                                        client.post("/v1/completions", json={**body, "prompt": ids}),
+                                        _chunks(client, "/v1/completions", {**body, "max_tokens": 4}),
+                                        client.post("/v1/completions", json={**body, "max_tokens": 4}))
+
+    with ServerThread(tiny_llm, max_batch_size=4) as server:
+        text_prompt, id_prompt, streamed, whole = _run(clients(server.url))
+    decode = tiny_llm._decode
+    for response in (text_prompt, id_prompt):
+        choice = response.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == prompt + out.text and response.json()["usage"]["prompt_tokens"] == len(ids)
+        assert lp["tokens"] == [decode([t]) for t in ids + out.token_ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [e.logprob for e in out.prompt_logprobs[1:] + out.logprobs]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+        assert [list(d) for d in lp["top_logprobs"][1:]] == [[decode([e.top[0][0]])] for e in out.prompt_logprobs[1:] + out.logprobs]
+        assert lp["text_offset"] == [len(decode(ids[:i])) for i in range(len(ids))] + [len(prompt)]
+    want = whole.json()["choices"][0]
+    chunks = [c for chunk in streamed for c in chunk["choices"]]
+    assert chunks[0]["text"].startswith(prompt) and "".join(c["text"] for c in chunks) == want["text"]
+    parts = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+    assert len(parts) > 1 and parts[0]["token_logprobs"][0] is None
+    for key in ("tokens", "text_offset"):
+        assert [x for p in parts for x in p[key]] == want["logprobs"][key], key
+
+
 def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm):
     """A server with a prefix cache: turn 2 resends turn 1 and its answer; both answers are those of
     a server without one (tiny_llm), and the cache reused the conversation."""

@@ -6,6 +6,9 @@ describe the model, not the sampling rule. In a speculative step, emitted token 
 the distribution at layout position `VerifyResult.keep_positions()[i]` (the root, then each
 accepted node): the context there is exactly the one plain decoding has for that token, so every
 policy reports the logprobs plain decoding would, up to the float rounding of a wider forward.
+
+Prompt logprobs (`prompt_token_logprobs`, OpenAI's `echo` with `logprobs`, what evaluation harnesses
+score continuations with) come from a prefill that keeps every position's logits.
 """
 
 from __future__ import annotations
@@ -48,3 +51,18 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> li
     else:
         top = [()] * len(token_ids)
     return [TokenLogprob(t, c, k) for t, c, k in zip(token_ids, chosen, top)]
+
+
+PROMPT_LOGPROBS_CHUNK = 512  # prompt positions per log_softmax: bounds the extra memory to a [512, V] block
+
+
+def prompt_token_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """logits [L, V] of a prefill over prompt_ids [L] -> the TokenLogprob of prompt tokens 1..L-1 (token i
+    under the distribution at position i - 1; the first token has no context and no entry)."""
+    if logits.shape[0] != len(prompt_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows for a prompt of {len(prompt_ids)} tokens")
+    out: list[TokenLogprob] = []
+    for start in range(0, len(prompt_ids) - 1, PROMPT_LOGPROBS_CHUNK):
+        end = min(start + PROMPT_LOGPROBS_CHUNK, len(prompt_ids) - 1)
+        out += token_logprobs(logits[start:end], prompt_ids[start + 1:end + 1], top_n)
+    return out

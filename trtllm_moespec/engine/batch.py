@@ -185,20 +185,22 @@ class BatchedEngine:
         return outputs
 
     def _prefill(self, new: list[_Active], prompts: list[torch.Tensor]) -> list[tuple[TargetOutput, object]]:
-        """The new requests' prompts and what their drafters may copy: those with a cached prefix through
-        the prefix cache one by one (each forward covers only the rest of its prompt), the others
-        together in one forward."""
+        """The new requests' prompts and what their drafters may copy: those with a cached prefix (each
+        forward covers only the rest of its prompt) or asking for prompt logprobs (every position's
+        logits) one by one, the others together in one forward."""
         cached = self.engine.prefix_cache
-        reuse = [cached is not None and cached.match(a.request.prompt_ids)[0] is not None for a in new]
-        cold = [b for b, r in enumerate(reuse) if not r]
+        alone = [a.request.prompt_logprobs is not None
+                 or (cached is not None and cached.match(a.request.prompt_ids)[0] is not None) for a in new]
+        together = [b for b, one in enumerate(alone) if not one]
         outs: list[tuple | None] = [None] * len(new)
-        if cold:
-            for b, out in zip(cold, prefill_batch(self.target, [new[b].cache for b in cold], [prompts[b] for b in cold])):
+        if together:
+            caches, batch = [new[b].cache for b in together], [prompts[b] for b in together]
+            for b, out in zip(together, prefill_batch(self.target, caches, batch)):
                 outs[b] = out, None
             if cached is not None:
-                cached.misses += len(cold)
-        for b in (b for b, r in enumerate(reuse) if r):
-            outs[b] = cached.prefill(new[b].cache, prompts[b])
+                cached.misses += len(together)
+        for b in (b for b, one in enumerate(alone) if one):
+            outs[b] = self.engine.prefill_alone(new[b].request, new[b].cache, prompts[b])
         return outs
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:

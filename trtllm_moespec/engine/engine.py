@@ -17,7 +17,7 @@ import torch
 
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout, root_layout
-from ..core.logprobs import TokenLogprob, emitted_positions, token_logprobs
+from ..core.logprobs import TokenLogprob, emitted_positions, prompt_token_logprobs, token_logprobs
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
@@ -46,6 +46,8 @@ class Request:
     logprobs: int | None = None  # report each output token's logprob and this many alternatives (None: off)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
+    prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., set by the prefill
     features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
@@ -107,10 +109,21 @@ class SpecEngine:
     def prefill(self, request: Request, cache, prompt: torch.Tensor) -> tuple[TargetOutput, DrafterPrefix | None]:
         """The prompt [1, L] into an empty cache, through the prefix cache when there is one (which
         then follows the request's committed features), and what its drafter may copy (None: nothing)."""
+        out, drafter_prefix = self.prefill_alone(request, cache, prompt)
+        return self.track(request, out), drafter_prefix
+
+    def prefill_alone(self, request: Request, cache, prompt: torch.Tensor) -> tuple[TargetOutput, DrafterPrefix | None]:
+        """`prefill` without following the request for the prefix cache (a batch follows its requests
+        itself). A request that asks for prompt logprobs gets every prompt position's logits, so it
+        reuses no cached prefix (whose positions have none); its output keeps the last position's."""
+        if request.prompt_logprobs is not None:
+            out = self.target.prefill(cache, prompt, all_logits=True)
+            request.prompt_token_logprobs = prompt_token_logprobs(out.logits[0], request.prompt_ids,
+                                                                  request.prompt_logprobs)
+            return TargetOutput(out.logits[:, -1:], out.hidden, out.expert_ids), None
         if self.prefix_cache is None:
             return self.target.prefill(cache, prompt), None
-        out, drafter_prefix = self.prefix_cache.prefill(cache, prompt)
-        return self.track(request, out), drafter_prefix
+        return self.prefix_cache.prefill(cache, prompt)
 
     def track(self, request: Request, prefill: TargetOutput) -> TargetOutput:
         """With a prefix cache: the request's K/V will be kept when it finishes, and, when the drafter reads

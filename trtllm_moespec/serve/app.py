@@ -41,6 +41,7 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     counts_prompt: bool = True  # False for choices 2..n of a prompt: usage counts a prompt once
+    echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
 
 
 class Server:
@@ -62,14 +63,16 @@ class Server:
         with self._tokenizer_lock:
             batch = self.llm.encode(list(req.prompts)) if req.prompts else [self._chat_ids(req.messages)]
         choices = []
-        for ids in batch:
+        for prompt, ids in zip(req.prompts or [None], batch):
+            echo = (prompt if isinstance(prompt, str) else self.decode(ids)) if req.echo else None
             params = req.params
             if req.max_tokens is None:  # chat default: the rest of the context
                 params = replace(params, max_tokens=max(self.llm.target.max_position_embeddings - len(ids), 1))
             for j in range(req.n):  # OpenAI's order: the choices of prompt 0, then those of prompt 1, ...
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 request = make_request(self.llm, ids, seeded, self._tokenizer_lock)
-                choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0))
+                choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0,
+                                       echo=echo))
         return choices
 
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -203,12 +206,15 @@ def _apply(choice: _Choice, event: TokenEvent | FinishEvent) -> None:
 def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat: bool) -> dict:
     out = []
     for c in choices:
-        text = server.decode(c.request.output_ids)
+        text = (c.echo or "") + server.decode(c.request.output_ids)
         logprobs = None
         if c.request.logprobs is not None:
             entries = c.request.output_logprobs
             logprobs = (_chat_logprobs(server, entries) if chat else
-                        _completion_logprobs(server, c.request.output_ids, entries, 0, IncrementalText(server.decode)))
+                        _completion_logprobs(server, c.request.output_ids, entries, 0, IncrementalText(server.decode),
+                                             shift=len(c.echo or "")))
+            if c.echo is not None:
+                logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
         if chat:
             out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                         "logprobs": logprobs, "finish_reason": c.finish_reason})
@@ -221,14 +227,29 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
 
 
 def _completion_logprobs(server: Server, ids: Sequence[int], entries: Sequence[TokenLogprob], start: int,
-                         text: IncrementalText) -> dict:
-    """The legacy completions `logprobs` object for output tokens start.. of `ids` (whose entries
-    these are): each token's text and logprob, its top alternatives and where its text starts in the
-    completion. `text` decodes prefixes of `ids`; a stream passes the same one for every chunk."""
+                         text: IncrementalText, shift: int = 0) -> dict:
+    """The legacy completions `logprobs` object for tokens start.. of `ids` (whose entries these are):
+    each token's text and logprob, its top alternatives and where its text starts in the returned
+    text (`shift` characters precede `ids`' own: the echoed prompt). `text` decodes prefixes of `ids`;
+    a stream passes the same one for every chunk."""
     return {"tokens": [server.decode([e.token_id]) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{server.decode([t]): lp for t, lp in e.top} for e in entries],
-            "text_offset": [len(text.text(ids[:i])) for i in range(start, start + len(entries))]}
+            "text_offset": [shift + len(text.text(ids[:i])) for i in range(start, start + len(entries))]}
+
+
+def _echo_logprobs(server: Server, request: Request) -> dict:
+    """The echoed prompt's part of the completions `logprobs` object: the first token's logprob and
+    alternatives are null (it has no context), the others' come from the prefill."""
+    ids = request.prompt_ids
+    rest = _completion_logprobs(server, ids, request.prompt_token_logprobs, 1, IncrementalText(server.decode))
+    return {"tokens": [server.decode(ids[:1]), *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two parts of a completions `logprobs` object, one after the other."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _chat_logprobs(server: Server, entries: Sequence[TokenLogprob]) -> dict:
@@ -269,7 +290,8 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
         if chat:
             return _chat_logprobs(server, event.logprobs)
         start = len(c.ids) - len(event.token_ids)
-        return _completion_logprobs(server, c.ids, event.logprobs, start, offsets[c.index])
+        part = _completion_logprobs(server, c.ids, event.logprobs, start, offsets[c.index], shift=len(c.echo or ""))
+        return _joined(_echo_logprobs(server, c.request), part) if c.echo is not None and start == 0 else part
 
     try:
         if chat:
@@ -283,6 +305,8 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 return
             if isinstance(event, TokenEvent):
                 delta, logprobs = c.text.push(c.ids), step_logprobs(c, event)
+                if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
+                    delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
             else:

@@ -2,11 +2,12 @@
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
 send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
-that the engine does not implement (penalties, echo, logit_bias, ...) are
+that the engine does not implement (penalties, logit_bias, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
-chat: `logprobs` + `top_logprobs`) is served with and without streaming.
+chat: `logprobs` + `top_logprobs`) is served with and without streaming; completions' `echo` returns the
+prompt before the completion, and with `logprobs` the prompt tokens' logprobs too (the first one null).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..core.logprobs import MAX_LOGPROBS
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
-    ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")), ("logit_bias", (None, {})),
+    ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
     ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
     ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
     ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
@@ -52,6 +53,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
     n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
+    echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -61,7 +63,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
         raise BadRequest(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
     return _request(body, prompts=_prompts(body.get("prompt")), messages=(), max_tokens=body.get("max_tokens"),
-                    default_max_tokens=16, logprobs=logprobs)
+                    default_max_tokens=16, logprobs=logprobs, echo=_bool(body, "echo"))
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -73,11 +75,14 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
     if top and not _bool(body, "logprobs"):
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if _bool(body, "echo"):
+        raise BadRequest("'echo' is a /v1/completions field", "echo")
     return _request(body, prompts=(), messages=_messages(body.get("messages")), max_tokens=max_tokens,
                     default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None)
 
 
-def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logprobs: int | None) -> GenerationRequest:
+def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logprobs: int | None,
+             echo: bool = False) -> GenerationRequest:
     for name, allowed in _UNSUPPORTED:
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
@@ -108,13 +113,14 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs)
+                                seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
+                                prompt_logprobs=logprobs if echo else None)
     except ValueError as e:
         raise BadRequest(str(e)) from None
     if n > 1 and seed is not None and seed + n > MAX_SEED:
         raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
-                             bool((options or {}).get("include_usage", False)), n)
+                             bool((options or {}).get("include_usage", False)), n, echo)
 
 
 # ---------------------------------------------------------------------- field checks
