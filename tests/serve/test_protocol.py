@@ -73,6 +73,9 @@ def test_echo_asks_for_the_prompts_logprobs_only_with_logprobs():
     assert plain.echo and plain.params.prompt_logprobs is None
     scored = parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 1})
     assert scored.params.prompt_logprobs == scored.params.logprobs == 1
+    assert parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 0}).max_tokens == 0
+    with pytest.raises(BadRequest, match="0 only with echo"):
+        parse_completion({"prompt": "a", "max_tokens": 0})
     assert parse_completion({"prompt": "a", "logprobs": 1}).params.prompt_logprobs is None
 
 

@@ -191,10 +191,12 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_evaluation_harnesses_read_t
             return await asyncio.gather(client.post("/v1/completions", json=body),
                                         client.post("/v1/completions", json={**body, "prompt": ids}),
                                         _chunks(client, "/v1/completions", {**body, "max_tokens": 4}),
-                                        client.post("/v1/completions", json={**body, "max_tokens": 4}))
+                                        client.post("/v1/completions", json={**body, "max_tokens": 4}),
+                                        client.post("/v1/completions", json={**body, "max_tokens": 0}),
+                                        _chunks(client, "/v1/completions", {**body, "max_tokens": 0}))
 
     with ServerThread(tiny_llm, max_batch_size=4) as server:
-        text_prompt, id_prompt, streamed, whole = _run(clients(server.url))
+        text_prompt, id_prompt, streamed, whole, scored, scored_stream = _run(clients(server.url))
     decode = tiny_llm._decode
     for response in (text_prompt, id_prompt):
         choice = response.json()["choices"][0]
@@ -213,6 +215,14 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_evaluation_harnesses_read_t
     assert len(parts) > 1 and parts[0]["token_logprobs"][0] is None
     for key in ("tokens", "text_offset"):
         assert [x for p in parts for x in p[key]] == want["logprobs"][key], key
+    # max_tokens=0: the prompt scored, nothing generated (also streamed)
+    choice, usage = scored.json()["choices"][0], scored.json()["usage"]
+    assert choice["text"] == prompt and usage["completion_tokens"] == 0
+    assert choice["logprobs"]["tokens"] == [decode([t]) for t in ids]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in out.prompt_logprobs[1:]], abs=1e-4)
+    chunks = [c for chunk in scored_stream for c in chunk["choices"]]
+    assert "".join(c["text"] for c in chunks) == prompt and scored_stream[-1]["usage"]["completion_tokens"] == 0
+    assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
 
 
 def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm):

@@ -42,6 +42,11 @@ class _Choice:
     error: str | None = None
     counts_prompt: bool = True  # False for choices 2..n of a prompt: usage counts a prompt once
     echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
+    prompt_only: bool = False  # echo with max_tokens=0: the request's one token (from the prefill) is not returned
+
+    def output(self) -> tuple[list[int], list[TokenLogprob]]:
+        """The returned output tokens and their logprobs (once finished)."""
+        return ([], []) if self.prompt_only else (self.request.output_ids, self.request.output_logprobs)
 
 
 class Server:
@@ -72,7 +77,7 @@ class Server:
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 request = make_request(self.llm, ids, seeded, self._tokenizer_lock)
                 choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0,
-                                       echo=echo))
+                                       echo=echo, prompt_only=req.max_tokens == 0))
         return choices
 
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -206,12 +211,12 @@ def _apply(choice: _Choice, event: TokenEvent | FinishEvent) -> None:
 def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat: bool) -> dict:
     out = []
     for c in choices:
-        text = (c.echo or "") + server.decode(c.request.output_ids)
+        ids, entries = c.output()
+        text = (c.echo or "") + server.decode(ids)
         logprobs = None
         if c.request.logprobs is not None:
-            entries = c.request.output_logprobs
             logprobs = (_chat_logprobs(server, entries) if chat else
-                        _completion_logprobs(server, c.request.output_ids, entries, 0, IncrementalText(server.decode),
+                        _completion_logprobs(server, ids, entries, 0, IncrementalText(server.decode),
                                              shift=len(c.echo or "")))
             if c.echo is not None:
                 logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
@@ -221,7 +226,7 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
-    completion = sum(len(c.request.output_ids) for c in choices)
+    completion = sum(len(c.output()[0]) for c in choices)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
 
@@ -287,6 +292,8 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     def step_logprobs(c: _Choice, event: TokenEvent) -> dict | None:
         if c.request.logprobs is None:
             return None
+        if c.prompt_only:
+            return _echo_logprobs(server, c.request)
         if chat:
             return _chat_logprobs(server, event.logprobs)
         start = len(c.ids) - len(event.token_ids)
@@ -304,16 +311,16 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
             if isinstance(event, TokenEvent):
-                delta, logprobs = c.text.push(c.ids), step_logprobs(c, event)
+                delta, logprobs = "" if c.prompt_only else c.text.push(c.ids), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
                     delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
             else:
-                yield chunk([piece(c, c.text.finish(c.request.output_ids), c.finish_reason)])
+                yield chunk([piece(c, c.text.finish(c.output()[0]), c.finish_reason)])
         if include_usage:
             prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
-            completion = sum(len(c.request.output_ids) for c in choices)
+            completion = sum(len(c.output()[0]) for c in choices)
             yield chunk([], usage=usage(prompt, completion))
         yield "data: [DONE]\n\n"
     finally:  # normal end, error, or the client went away (the task is cancelled)

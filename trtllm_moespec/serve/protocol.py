@@ -43,12 +43,13 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked completions or chat request; `max_tokens` None means "the rest of the context"."""
+    """A checked completions or chat request; `max_tokens` None means "the rest of the context", 0 (with
+    echo) "the prompt alone"."""
 
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]  # completions: one or more; chat: none (see messages)
     messages: tuple[dict, ...]  # chat: {"role", "content": str}
-    params: SamplingParams  # max_tokens here is a placeholder when `max_tokens` is None
+    params: SamplingParams  # max_tokens here is a placeholder when `max_tokens` is None or 0
     max_tokens: int | None
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
@@ -95,8 +96,9 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         raise BadRequest("'model' must be a string", "model")
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}", "max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < (0 if echo else 1)):
+        raise BadRequest(f"'max_tokens' must be a positive integer (0 only with echo: the prompt scored, nothing "
+                         f"generated), got {max_tokens!r}", "max_tokens")
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
     top_k = body.get("top_k")
