@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .core.cost import CostTable
 from .core.logprobs import MAX_LOGPROBS, TokenLogprob
+from .core.penalties import Penalties, TokenHistory
 from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
@@ -55,6 +56,11 @@ class SamplingParams:
     # The same for every prompt token after the first (RequestOutput.prompt_logprobs): the prefill keeps
     # every position's logits (a [L, V] block) and reuses no cached prefix.
     prompt_logprobs: int | None = None
+    # OpenAI's presence / frequency penalties ([-2, 2], on the output's tokens) and vLLM's / transformers'
+    # repetition penalty (> 0, 1 = off; on the prompt's and the output's tokens); core/penalties.py.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,6 +84,10 @@ class SamplingParams:
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         self.config()  # validates the ranges of temperature / top_k / top_p
+        self.penalties()
+
+    def penalties(self) -> Penalties:
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     def config(self) -> SamplingConfig:
         return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
@@ -305,8 +315,10 @@ class LLM:
             raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
         generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
+        penalties = params.penalties()
+        history = TokenHistory(penalties, ids, self.target.vocab_size, self.target.device) if penalties.active else None
         return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
-                       logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+                       logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, history=history)
 
     def _stop_check(self, params: SamplingParams):
         if not params.stop:

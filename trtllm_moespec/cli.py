@@ -158,7 +158,8 @@ def cmd_generate(args) -> int:
     from .api import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if ep > 1:
         from .parallel.run import run_expert_parallel
 
@@ -206,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_bounded_int(0), default=0, help="sample among the k most likely tokens; 0 = off")
     g.add_argument("--seed", type=_bounded_int(0, 2**64), default=None, help="sampling seed in [0, 2**64) (default: nondeterministic)")
     g.add_argument("--stop", action="append", default=None, help="stop string, excluded from the output (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; tokens of the prompt or the output: logit / r if positive, else * r; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; subtracted once per output token")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted per occurrence in the output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--ep", type=_bounded_int(1), default=None,
                    help="expert parallelism over N ranks: run as `mpirun -n N moespec generate ... --ep N`")

@@ -9,13 +9,17 @@ import transformers
 
 
 @torch.no_grad()
-def exact_first_tokens(target_dir, prompt: list[int], top_k: int, length: int) -> dict[tuple[int, ...], float]:
+def exact_first_tokens(target_dir, prompt: list[int], top_k: int, length: int,
+                       adjust=None) -> dict[tuple[int, ...], float]:
     """P(first `length` sampled tokens) under the transformers target, for every sequence of nonzero
-    probability (top-k filtering at temperature 1)."""
+    probability (top-k filtering at temperature 1); `adjust(logits, output so far)` changes the
+    logits first (penalties)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir))
 
     def probs(ids: list[int]) -> torch.Tensor:
         logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        if adjust is not None:
+            logits = adjust(logits, ids[len(prompt):]).double()
         kth = logits.topk(top_k).values[-1]
         return torch.where(logits >= kth, logits, -torch.inf).softmax(-1)
 

@@ -127,3 +127,18 @@ def test_two_concurrent_requests_share_batched_steps(tmp_path):
 def test_executor_rejects_a_bad_batch_size(engine_dir):
     with pytest.raises(ValueError, match="max_batch_size"):
         Executor(engine_dir, "pytorch", max_batch_size=0)
+
+
+def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
+    """Penalties and top-k at their "off" values go as None (TensorRT-LLM's SamplingParams then keeps its C++
+    defaults, sampling_params.py @ 000a01de); set ones pass through."""
+    from trtllm_moespec import SamplingParams
+    from trtllm_moespec.runtime.executor import trtllm_sampling_kwargs
+
+    off = trtllm_sampling_kwargs(SamplingParams(max_tokens=5))
+    assert off["top_k"] is None and off["repetition_penalty"] is None
+    assert off["presence_penalty"] is None and off["frequency_penalty"] is None and off["max_tokens"] == 5
+    on = trtllm_sampling_kwargs(SamplingParams(top_k=4, repetition_penalty=1.2, presence_penalty=-0.5,
+                                               frequency_penalty=0.3, stop="x", seed=3))
+    assert (on["top_k"], on["repetition_penalty"], on["presence_penalty"], on["frequency_penalty"]) == (4, 1.2, -0.5, 0.3)
+    assert on["stop"] == ("x",) and on["seed"] == 3 and on["return_perf_metrics"]

@@ -58,11 +58,13 @@ def test_parse_request_reads_llmapi_tensor_names():
         sampling_param_top_p=np.array([0.9], dtype=np.float32),
         sampling_param_seed=np.array([42], dtype=np.uint64),
         sampling_param_stop=np.array([b"\n\n", b"END"], dtype=np.object_),
+        sampling_param_presence_penalty=np.array([0.5], dtype=np.float32),
         streaming=np.array([True]),
     )
     p = parse_request(pb, req)
     assert (p.prompt, p.max_tokens, p.top_k, p.seed, p.stop, p.streaming) == ("def f(x):", 5, 0, 42, ["\n\n", "END"], True)
     assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +89,7 @@ def test_parse_request_reads_llmapi_tensor_names():
         ({"text_input": np.array([b""], dtype=np.object_)}, "text_input holds an empty string"),
         ({"sampling_param_stop": np.array([b""], dtype=np.object_)}, "sampling_param_stop holds an empty string"),
         ({"sampling_param_top_k": np.array([-1], dtype=np.int32)}, "bad sampling parameters"),
+        ({"sampling_param_frequency_penalty": np.array([3.0], dtype=np.float32)}, "frequency_penalty must be"),
     ],
 )
 def test_malformed_requests_become_error_responses(inputs, message):

@@ -49,7 +49,9 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "logprobs": True}, "logprobs"),
     ({"prompt": "a", "echo": 1}, "echo"),
-    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": "1"}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -77,6 +79,14 @@ def test_echo_asks_for_the_prompts_logprobs_only_with_logprobs():
     with pytest.raises(BadRequest, match="0 only with echo"):
         parse_completion({"prompt": "a", "max_tokens": 0})
     assert parse_completion({"prompt": "a", "logprobs": 1}).params.prompt_logprobs is None
+
+
+def test_penalties_reach_the_sampling_params():
+    params = parse_completion({"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -1,
+                               "repetition_penalty": 1.2}).params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.3}).params
+    assert chat.frequency_penalty == 0.3 and chat.repetition_penalty == 1.0
 
 
 def test_logprobs_map_to_the_number_of_alternatives():

@@ -111,6 +111,23 @@ def test_seeded_sampling_is_reproducible_and_equals_the_single_request(tiny_llm)
     assert [r.json()["choices"][0]["text"] for r in responses] == [expected] * 3
 
 
+def test_penalties_give_the_single_requests_output(tiny_llm):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5,
+                            repetition_penalty=1.2)
+    want = tiny_llm.generate([PROMPTS[0]], params)[0].text
+    assert want != tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "presence_penalty": 0.5,
+            "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/completions", json=body), _stream(client, "/v1/completions", body))
+
+    with ServerThread(tiny_llm, max_batch_size=2) as server:
+        plain, (streamed, _, _) = _run(clients(server.url))
+    assert plain.json()["choices"][0]["text"] == streamed == want
+
+
 def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
     """Completions (two prompts in one request, batched with a chat request) and chat: each token's
     logprob and alternatives equal `LLM.generate`'s alone, in OpenAI's two shapes."""

@@ -324,7 +324,7 @@ class BatchedEngine:
         request, engine = active.request, self.engine
         t0 = time.perf_counter()
         if result is None:
-            result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+            result = engine.accept(request, layout, out.logits)
         t_verify = time.perf_counter() - t0
         if active.values is not None and draft is not None:  # the step's outcome updates the request's values
             active.values.observe(draft.tree, node_idx, accepted_nodes(node_idx, result.accepted_pos))
@@ -355,11 +355,16 @@ def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[
         if not group:
             continue
         result = verify_tree(root_layout(torch.cat([roots[b] for b in group])),
-                             torch.cat([outs[b].logits for b in group]),  # [G, 1, V]
+                             torch.cat([_penalized_root(requests[b], outs[b].logits) for b in group]),  # [G, 1, V]
                              [requests[b].sampling for b in group], [requests[b].generator for b in group])
         for i, b in enumerate(group):
             results[b] = result.row(i)
     return results
+
+
+def _penalized_root(request: Request, logits: torch.Tensor) -> torch.Tensor:
+    """A plain step's root logits [1, 1, V] under the request's penalties (when it has any)."""
+    return logits if request.history is None else request.history.apply(logits[0], None)[None]
 
 
 @dataclass(frozen=True)

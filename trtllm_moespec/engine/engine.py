@@ -18,6 +18,7 @@ import torch
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.logprobs import TokenLogprob, emitted_positions, prompt_token_logprobs, token_logprobs
+from ..core.penalties import TokenHistory
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
@@ -48,6 +49,7 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., set by the prefill
+    history: TokenHistory | None = None  # the tokens its penalties read (None: no penalties)
     features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
@@ -152,8 +154,16 @@ class SpecEngine:
     def _first_token(self, prefill: TargetOutput, request: Request) -> int:
         """Sample the first token from the prefill logits with the same rule (an empty tree)."""
         layout = root_layout(torch.zeros(1, dtype=torch.int64, device=prefill.logits.device))  # the token is unused
-        result = verify_tree(layout, prefill.logits[:, -1:], [request.sampling], [request.generator])
+        result = self.accept(request, layout, prefill.logits[:, -1:])
         return int(result.emitted_ids[0, 0])
+
+    @staticmethod
+    def accept(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
+        """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions: each
+        position under the request's penalties first, when it has any (core/penalties.py)."""
+        if request.history is not None:
+            logits = request.history.apply(logits[0], layout)[None]
+        return verify_tree(layout, logits, [request.sampling], [request.generator])
 
     def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
@@ -191,7 +201,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
         t_target = time.perf_counter() - t0
-        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        result = self.accept(request, layout, out.logits)
         t_verify = time.perf_counter() - t0
 
         if values is not None:  # the step's own outcome updates the request's value model (no extra forward)
@@ -222,7 +232,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
         t_target = time.perf_counter() - t0
-        result = verify_tree(layout, out.logits, [request.sampling], [request.generator])
+        result = self.accept(request, layout, out.logits)
         t_verify = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.commit(request, cache, out, result)
@@ -289,6 +299,7 @@ class SpecEngine:
         request asks for logprobs, `logits` are the step's target logits: [P, V] over the layout's
         positions with the step's `result`, else one row per token.
         """
+        before = len(request.output_ids)
         if request.logprobs is not None:
             rows = logits if result is None else logits.index_select(0, emitted_positions(result).to(logits.device))
             request.output_logprobs.extend(token_logprobs(rows, tokens, request.logprobs))
@@ -306,6 +317,8 @@ class SpecEngine:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
         del request.output_logprobs[len(request.output_ids):]  # tokens past eos, max_tokens or a stop string
+        if request.history is not None:
+            request.history.extend(request.output_ids[before:])
         return request.finish_reason is not None
 
 

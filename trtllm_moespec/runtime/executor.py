@@ -158,10 +158,7 @@ class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines
     def generate(self, prompts: Sequence[str], params: Any) -> list[ExecutorOutput]:
         from tensorrt_llm import SamplingParams as TrtllmSamplingParams
 
-        trt_params = TrtllmSamplingParams(
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k or None, seed=params.seed, stop=params.stop, return_perf_metrics=True,
-        )
+        trt_params = TrtllmSamplingParams(**trtllm_sampling_kwargs(params))
         outputs = []
         for result in self.llm.generate(list(prompts), trt_params):
             completion = result.outputs[0]
@@ -230,3 +227,18 @@ class Executor:
 
     def shutdown(self) -> None:
         self._impl.shutdown()
+
+
+def trtllm_sampling_kwargs(params: Any) -> dict:
+    """Our SamplingParams -> keywords of TensorRT-LLM's `SamplingParams` (tensorrt_llm/sampling_params.py
+    @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
+    presence and frequency penalties 0. Penalties at their "off" value go as None."""
+
+    def unless(value: float, off: float) -> float | None:
+        return None if value == off else value
+
+    return dict(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k or None, seed=params.seed, stop=params.stop, return_perf_metrics=True,
+                repetition_penalty=unless(params.repetition_penalty, 1.0),
+                presence_penalty=unless(params.presence_penalty, 0.0),
+                frequency_penalty=unless(params.frequency_penalty, 0.0))

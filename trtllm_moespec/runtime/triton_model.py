@@ -2,7 +2,8 @@
 
 Tensor names follow TensorRT-LLM's own `llmapi` Triton model
 (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt): inputs `text_input`,
-`streaming`, `sampling_param_{max_tokens,temperature,top_p,top_k,seed,stop}`;
+`streaming`, `sampling_param_{max_tokens,temperature,top_p,top_k,seed,stop,frequency_penalty,presence_penalty}`
+(config.pbtxt @ 0a710573; it has no repetition penalty);
 outputs `text_output`, `acceptance_rate`, `total_accepted_draft_tokens`,
 `total_draft_tokens`, plus ours: `mean_accepted_tokens`, `verified_tokens`.
 Settings come from `model.yaml` beside the generated `model.py` (engine_dir,
@@ -28,6 +29,8 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
+from ..core.penalties import Penalties
+
 # (input name, numpy dtype kind accepted, Python type, RequestParams field). Kinds: "iu" integers,
 # "f" floats, "b" bool. A wrong dtype is an error (never coerced: FP32 5.9 is not 5 tokens).
 SCALAR_INPUTS = (
@@ -36,6 +39,8 @@ SCALAR_INPUTS = (
     ("sampling_param_top_p", "f", float, "top_p"),
     ("sampling_param_top_k", "iu", int, "top_k"),
     ("sampling_param_seed", "iu", int, "seed"),
+    ("sampling_param_frequency_penalty", "f", float, "frequency_penalty"),
+    ("sampling_param_presence_penalty", "f", float, "presence_penalty"),
     ("streaming", "b", bool, "streaming"),
 )
 OUTPUTS = (
@@ -58,6 +63,8 @@ class RequestParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     streaming: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,10 @@ def parse_request(pb_utils: Any, request: Any) -> RequestParams:
         raise pb_utils.TritonModelException(
             f"bad sampling parameters: max_tokens={params.max_tokens}, temperature={params.temperature}, "
             f"top_p={params.top_p}, top_k={params.top_k}")
+    try:
+        Penalties(presence=params.presence_penalty, frequency=params.frequency_penalty)
+    except ValueError as e:
+        raise pb_utils.TritonModelException(f"bad sampling parameters: {e}") from None
     return params
 
 
@@ -271,7 +282,8 @@ def make_triton_model(model_yaml: str | Path) -> type:
             from .. import SamplingParams
 
             return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                  top_k=params.top_k, seed=params.seed, stop=params.stop or None)
+                                  top_k=params.top_k, seed=params.seed, stop=params.stop or None,
+                                  frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty)
 
         def _generate(self, params: RequestParams) -> Any:
             return self.executor.generate([params.prompt], self._sampling(params))[0]

@@ -27,6 +27,8 @@ INPUTS = (  # (name, data type, dims, optional)
     ("sampling_param_temperature", "TYPE_FP32", "[ 1 ]", True),
     ("sampling_param_top_p", "TYPE_FP32", "[ 1 ]", True),
     ("sampling_param_top_k", "TYPE_INT32", "[ 1 ]", True),
+    ("sampling_param_frequency_penalty", "TYPE_FP32", "[ 1 ]", True),
+    ("sampling_param_presence_penalty", "TYPE_FP32", "[ 1 ]", True),
     ("sampling_param_seed", "TYPE_UINT64", "[ 1 ]", True),
     ("sampling_param_stop", "TYPE_STRING", "[ -1 ]", True),
 )

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> checked requests, and the OpenAI response / error shapes.
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
-send (`top_k`, `seed`, `ignore_eos`). Fields that would change what is generated and
-that the engine does not implement (penalties, logit_bias, ...) are
+send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`); OpenAI's `presence_penalty` and
+`frequency_penalty` are applied too (core/penalties.py). Fields that would change what is generated and
+that the engine does not implement (logit_bias, guided decoding, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
@@ -19,17 +20,18 @@ from typing import Any
 
 from ..api import SamplingParams
 from ..core.logprobs import MAX_LOGPROBS
+from ..core.penalties import Penalties
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
     ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-    ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
-    ("repetition_penalty", (None, 1, 1.0)), ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
+    ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
     ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
     ("functions", (None, [])), ("guided_json", (None,)), ("guided_regex", (None,)),
     ("guided_choice", (None,)), ("guided_grammar", (None,)),
 )
 MAX_SEED = 2**63
+PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))  # (field, off)
 MAX_N = 16  # most choices per prompt (`n`): each is a request of its own
 
 
@@ -113,10 +115,15 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
     stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
+    penalties = {name: _number(body, name, off) for name, off in PENALTIES}
+    try:
+        Penalties(*penalties.values())
+    except ValueError as e:  # its message begins with the field's name
+        raise BadRequest(str(e), str(e).split()[0]) from None
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
-                                prompt_logprobs=logprobs if echo else None)
+                                prompt_logprobs=logprobs if echo else None, **penalties)
     except ValueError as e:
         raise BadRequest(str(e)) from None
     if n > 1 and seed is not None and seed + n > MAX_SEED:

@@ -137,7 +137,8 @@ LLM_ARGS_FIELDS = frozenset(
     }
 )
 
-# Triton llmapi model (config.pbtxt): request inputs and outputs we mirror.
+# Triton llmapi model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @ 0a710573):
+# request inputs and outputs we mirror.
 TRITON_LLMAPI_INPUTS = frozenset(
     {
         "text_input",
@@ -145,6 +146,8 @@ TRITON_LLMAPI_INPUTS = frozenset(
         "sampling_param_temperature",
         "sampling_param_top_k",
         "sampling_param_top_p",
+        "sampling_param_frequency_penalty",
+        "sampling_param_presence_penalty",
         "sampling_param_max_tokens",
         "sampling_param_stop",
         "sampling_param_seed",

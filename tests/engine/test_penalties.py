@@ -1,0 +1,118 @@
+"""Penalties stay lossless: greedy output with repetition / presence / frequency penalties equals
+transformers' generate (repetition) and a plain reference loop over transformers' forward (OpenAI's
+presence and frequency), under every kind of policy, alone and batched, on both architectures; and
+sampled tokens follow the penalized target distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.engine.distribution import chi_square, exact_first_tokens
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.engine.batch import BatchedEngine
+
+TINY_TARGET = "trtllm_moespec/assets/moespec-tiny/target"
+PROMPT = "def add(a, b):\n"
+MAX_TOKENS = 24
+
+
+def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], presence: float = 0.0,
+             frequency: float = 0.0, repetition: float = 1.0) -> torch.Tensor:
+    """The reference rule, token by token: vLLM's order, repetition over prompt and output, presence
+    and frequency over the output."""
+    logits = logits.clone().double()
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+    for t in set(output):
+        logits[t] -= frequency * output.count(t) + presence
+    return logits
+
+
+@torch.no_grad()
+def reference_greedy(target_dir, prompt: list[int], n: int, **penalties) -> list[int]:
+    """Plain greedy decoding with transformers' forward over the whole context each step."""
+    kwargs = {"attn_implementation": "eager"} if "gpt_oss" in str(target_dir) else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, **kwargs)
+    out: list[int] = []
+    for _ in range(n):
+        logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+        out.append(int(penalize(logits, prompt, out, **penalties).argmax()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return {policy: LLM("moespec-tiny", policy=policy) for policy in ("ar", "eagle3", "joint")}
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_repetition_penalty_equals_transformers_generate(tiny, policy):
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, repetition_penalty=1.3,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3))[0]
+    assert out.token_ids == want and want != plain.token_ids  # the penalty changed the text, losslessly
+    if policy == "eagle3":  # trees were verified and nodes accepted under the penalized distributions
+        assert max(s.accepted_tokens for s in out.steps) >= 2
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_presence_and_frequency_penalties_equal_the_reference_loop(tiny, policy):
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    penalties = dict(presence=0.4, frequency=0.7)
+    want = reference_greedy(TINY_TARGET, ids, MAX_TOKENS, **penalties)
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.4,
+                                             frequency_penalty=0.7))[0]
+    assert out.token_ids == want
+    if policy == "eagle3":
+        assert max(s.accepted_tokens for s in out.steps) >= 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_all_penalties_batched_equal_the_reference_loop(checkpoints, arch):
+    """A batch mixing requests with and without penalties (GPT-OSS: past its sliding window), and the
+    plain batch step (policy ar) that verifies roots of both kinds together."""
+    target, draft = checkpoints[arch]
+    prompts = [[5, 17, 33, 2, 9, 100, 4], [1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8]]
+    penalties = dict(presence=-0.5, frequency=1.5, repetition=1.4)
+    want = [reference_greedy(target, p, 20, **penalties) for p in prompts[:2]] + [reference_greedy(target, prompts[2], 20)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=-0.5, frequency_penalty=1.5,
+                            repetition_penalty=1.4)
+    for policy in ("eagle3", "ar"):
+        llm = LLM(str(target), draft_model=str(draft), policy=policy)
+        requests = [llm.make_request(p, params) for p in prompts[:2]]
+        requests.append(llm.make_request(prompts[2], SamplingParams(max_tokens=20, ignore_eos=True)))
+        BatchedEngine(llm.engine, max_batch_size=3).run_all(requests)
+        assert [r.output_ids for r in requests] == want, policy
+
+
+def test_sampled_tokens_follow_the_penalized_distribution(checkpoints, monkeypatch):
+    """The first two sampled tokens (the second under the penalty of the first) against the exact
+    penalized top-k distribution, through a speculating engine (seeded chi-square, deterministic)."""
+    target, draft = checkpoints["qwen3_moe"]
+    prompt, top_k = [3, 14, 15, 92, 65, 35], 3
+    exact = exact_first_tokens(target, prompt, top_k, 2,
+                               adjust=lambda logits, output: penalize(logits, prompt, output, 0.5, 1.0, 1.5))
+    llm = LLM(str(target), draft_model=str(draft), policy="eagle3")
+    trials, counts = 400, {}
+    for seed in range(trials):
+        params = SamplingParams(max_tokens=2, temperature=1.0, top_k=top_k, seed=seed, ignore_eos=True,
+                                presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.5)
+        key = tuple(llm.generate([prompt], params)[0].token_ids)
+        assert key in exact, f"emitted {key}, which has zero probability under the penalized target"
+        counts[key] = counts.get(key, 0) + 1
+    stat, _ = chi_square(counts, exact, trials)
+    assert stat < 26.1, (stat, counts, exact)  # 99.9% quantile of chi-square with 8 degrees of freedom
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
+                                 dict(repetition_penalty=float("inf")), dict(presence_penalty=True)])
+def test_bad_penalties_are_refused(bad):
+    with pytest.raises(ValueError, match="penalty"):
+        SamplingParams(**bad)
