@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .core.cost import CostTable
 from .core.logprobs import MAX_LOGPROBS, TokenLogprob
-from .core.penalties import Penalties, TokenHistory
+from .core.logit_rules import LogitRules, TokenHistory
 from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
@@ -56,11 +56,17 @@ class SamplingParams:
     # The same for every prompt token after the first (RequestOutput.prompt_logprobs): the prefill keeps
     # every position's logits (a [L, V] block) and reuses no cached prefix.
     prompt_logprobs: int | None = None
-    # OpenAI's presence / frequency penalties ([-2, 2], on the output's tokens) and vLLM's / transformers'
-    # repetition penalty (> 0, 1 = off; on the prompt's and the output's tokens); core/penalties.py.
+    # Logit rules (core/logit_rules.py), each position of a tree under its own context: OpenAI's presence /
+    # frequency penalties ([-2, 2], on the output's tokens), vLLM's / transformers' repetition penalty (> 0,
+    # 1 = off; on the prompt's and the output's tokens), OpenAI's logit_bias ({token id: [-100, 100]}), and
+    # vLLM's min_tokens (eos and stop_token_ids are not drawn before the output holds this many).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] | None = None  # more tokens that end the output (kept), also with ignore_eos
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after top-k); 0 = off
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,19 +84,29 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if isinstance(self.logit_bias, dict):  # a hashable, ordered form (and the dict's keys checked as ints)
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items(), key=lambda kv: str(kv[0]))))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("temperature", "top_p"):
             if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        self.config()  # validates the ranges of temperature / top_k / top_p
-        self.penalties()
+        self.config()  # validates the ranges of temperature / top_k / top_p / min_p
+        self.logit_rules()
 
-    def penalties(self) -> Penalties:
-        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+    def logit_rules(self) -> LogitRules:
+        return LogitRules(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                          tuple(self.logit_bias or ()), self.min_tokens)
 
     def config(self) -> SamplingConfig:
-        return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool):
+            raise ValueError(f"min_p must be a number, got {self.min_p!r}")
+        return SamplingConfig(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                              min_p=float(self.min_p))
 
 
 def _is_int(x) -> bool:
@@ -315,8 +331,9 @@ class LLM:
             raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
         generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
-        penalties = params.penalties()
-        history = TokenHistory(penalties, ids, self.target.vocab_size, self.target.device) if penalties.active else None
+        stop_ids = stop_ids | frozenset(params.stop_token_ids or ())
+        rules = params.logit_rules()
+        history = TokenHistory(rules, ids, self.target.vocab_size, stop_ids, self.target.device) if rules.active else None
         return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
                        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, history=history)
 

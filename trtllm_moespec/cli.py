@@ -159,7 +159,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, repetition_penalty=args.repetition_penalty,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            min_p=args.min_p)
     if ep > 1:
         from .parallel.run import run_expert_parallel
 
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
     g.add_argument("--top-k", type=_bounded_int(0), default=0, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= min_p x the most likely one's, in [0, 1]; 0 = off")
     g.add_argument("--seed", type=_bounded_int(0, 2**64), default=None, help="sampling seed in [0, 2**64) (default: nondeterministic)")
     g.add_argument("--stop", action="append", default=None, help="stop string, excluded from the output (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,

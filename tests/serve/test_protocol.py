@@ -52,7 +52,13 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "a", "frequency_penalty": "1"}, "frequency_penalty"),
     ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
-    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 5}}, "logit_bias"),
+    ({"prompt": "a", "min_p": 2}, "min_p"),
+    ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "a", "stop_token_ids": 5}, "stop_token_ids"),
+    ({"prompt": "a", "stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
@@ -87,6 +93,10 @@ def test_penalties_reach_the_sampling_params():
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.3}).params
     assert chat.frequency_penalty == 0.3 and chat.repetition_penalty == 1.0
+    rules = parse_completion({"prompt": "a", "logit_bias": {"7": -100, "12": 2.5}, "min_tokens": 3,
+                              "stop_token_ids": [5, 6], "min_p": 0.1}).params
+    assert dict(rules.logit_bias) == {7: -100, 12: 2.5} and rules.min_tokens == 3
+    assert rules.stop_token_ids == (5, 6) and rules.min_p == 0.1
 
 
 def test_logprobs_map_to_the_number_of_alternatives():

@@ -111,13 +111,16 @@ def test_seeded_sampling_is_reproducible_and_equals_the_single_request(tiny_llm)
     assert [r.json()["choices"][0]["text"] for r in responses] == [expected] * 3
 
 
-def test_penalties_give_the_single_requests_output(tiny_llm):
+def test_logit_rules_give_the_single_requests_output(tiny_llm):
+    plain = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5,
-                            repetition_penalty=1.2)
+                            repetition_penalty=1.2, logit_bias={plain.token_ids[2]: -100}, min_tokens=4,
+                            stop_token_ids=(plain.token_ids[1],))
     want = tiny_llm.generate([PROMPTS[0]], params)[0].text
-    assert want != tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+    assert want != plain.text
     body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "presence_penalty": 0.5,
-            "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+            "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {str(plain.token_ids[2]): -100},
+            "min_tokens": 4, "stop_token_ids": [plain.token_ids[1]]}
 
     async def clients(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:

@@ -1,4 +1,4 @@
-"""Target distributions for verification: temperature, top-k and top-p.
+"""Target distributions for verification: temperature, top-k, min-p and top-p.
 
 Greedy decoding (temperature 0) is expressed as a one-hot distribution on the
 argmax, so greedy and sampling verification run the same acceptance rule.
@@ -20,6 +20,7 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy (argmax); > 0 divides the logits
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with mass >= top_p; 1 = off
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's; 0 = off
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -28,6 +29,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +59,9 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
+    if cfg.min_p > 0.0:  # vLLM's and transformers' rule: relative to the most likely token, after top-k
+        probs = probs.masked_fill(probs < cfg.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         # Drop a token when the mass strictly before it already reaches top_p.

@@ -363,7 +363,7 @@ def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[
 
 
 def _penalized_root(request: Request, logits: torch.Tensor) -> torch.Tensor:
-    """A plain step's root logits [1, 1, V] under the request's penalties (when it has any)."""
+    """A plain step's root logits [1, 1, V] under the request's logit rules (when it has any)."""
     return logits if request.history is None else request.history.apply(logits[0], None)[None]
 
 

@@ -18,7 +18,7 @@ import torch
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.logprobs import TokenLogprob, emitted_positions, prompt_token_logprobs, token_logprobs
-from ..core.penalties import TokenHistory
+from ..core.logit_rules import TokenHistory
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
@@ -49,7 +49,7 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., set by the prefill
-    history: TokenHistory | None = None  # the tokens its penalties read (None: no penalties)
+    history: TokenHistory | None = None  # its logit rules and the tokens they read (None: no rules)
     features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
@@ -160,7 +160,7 @@ class SpecEngine:
     @staticmethod
     def accept(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
         """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions: each
-        position under the request's penalties first, when it has any (core/penalties.py)."""
+        position under the request's logit rules first, when it has any (core/logit_rules.py)."""
         if request.history is not None:
             logits = request.history.apply(logits[0], layout)[None]
         return verify_tree(layout, logits, [request.sampling], [request.generator])

@@ -232,7 +232,10 @@ class Executor:
 def trtllm_sampling_kwargs(params: Any) -> dict:
     """Our SamplingParams -> keywords of TensorRT-LLM's `SamplingParams` (tensorrt_llm/sampling_params.py
     @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
-    presence and frequency penalties 0. Penalties at their "off" value go as None."""
+    presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None.
+    A logit bias has no keyword there (only a [vocab] `embedding_bias` tensor): refused."""
+    if params.logit_bias:
+        raise ValueError("logit_bias is not supported by the TensorRT-LLM backend; use the PyTorch engine")
 
     def unless(value: float, off: float) -> float | None:
         return None if value == off else value
@@ -241,4 +244,6 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
                 top_k=params.top_k or None, seed=params.seed, stop=params.stop, return_perf_metrics=True,
                 repetition_penalty=unless(params.repetition_penalty, 1.0),
                 presence_penalty=unless(params.presence_penalty, 0.0),
-                frequency_penalty=unless(params.frequency_penalty, 0.0))
+                frequency_penalty=unless(params.frequency_penalty, 0.0),
+                min_p=unless(params.min_p, 0.0), min_tokens=params.min_tokens or None,
+                stop_token_ids=list(params.stop_token_ids) if params.stop_token_ids else None)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from ..core.penalties import Penalties
+from ..core.logit_rules import LogitRules
 
 # (input name, numpy dtype kind accepted, Python type, RequestParams field). Kinds: "iu" integers,
 # "f" floats, "b" bool. A wrong dtype is an error (never coerced: FP32 5.9 is not 5 tokens).
@@ -133,7 +133,7 @@ def parse_request(pb_utils: Any, request: Any) -> RequestParams:
             f"bad sampling parameters: max_tokens={params.max_tokens}, temperature={params.temperature}, "
             f"top_p={params.top_p}, top_k={params.top_k}")
     try:
-        Penalties(presence=params.presence_penalty, frequency=params.frequency_penalty)
+        LogitRules(presence=params.presence_penalty, frequency=params.frequency_penalty)
     except ValueError as e:
         raise pb_utils.TritonModelException(f"bad sampling parameters: {e}") from None
     return params

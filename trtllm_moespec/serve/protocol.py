@@ -1,9 +1,9 @@
 """OpenAI request bodies -> checked requests, and the OpenAI response / error shapes.
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
-send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`); OpenAI's `presence_penalty` and
-`frequency_penalty` are applied too (core/penalties.py). Fields that would change what is generated and
-that the engine does not implement (logit_bias, guided decoding, ...) are
+send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`);
+OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are applied too (core/logit_rules.py). Fields that would change what is generated and
+that the engine does not implement (best_of, guided decoding, tools, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
@@ -20,18 +20,17 @@ from typing import Any
 
 from ..api import SamplingParams
 from ..core.logprobs import MAX_LOGPROBS
-from ..core.penalties import Penalties
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
-    ("best_of", (None, 1)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-    ("min_p", (None, 0, 0.0)), ("min_tokens", (None, 0)),
-    ("use_beam_search", (None, False)), ("stop_token_ids", (None, [])), ("tools", (None, [])),
+    ("best_of", (None, 1)), ("suffix", (None, "")),
+    ("use_beam_search", (None, False)), ("tools", (None, [])),
     ("functions", (None, [])), ("guided_json", (None,)), ("guided_regex", (None,)),
     ("guided_choice", (None,)), ("guided_grammar", (None,)),
 )
 MAX_SEED = 2**63
-PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))  # (field, off)
+NUMERIC_RULES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                 ("min_p", 0.0))  # (field, off)
 MAX_N = 16  # most choices per prompt (`n`): each is a request of its own
 
 
@@ -115,17 +114,18 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
     stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
-    penalties = {name: _number(body, name, off) for name, off in PENALTIES}
-    try:
-        Penalties(*penalties.values())
-    except ValueError as e:  # its message begins with the field's name
-        raise BadRequest(str(e), str(e).split()[0]) from None
+    rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
+    rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
+                 stop_token_ids=body.get("stop_token_ids") or None)
+    if rules["stop_token_ids"] is not None and not isinstance(rules["stop_token_ids"], list):
+        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
-                                prompt_logprobs=logprobs if echo else None, **penalties)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+                                prompt_logprobs=logprobs if echo else None, **rules)
+    except ValueError as e:  # the message begins with the field's name
+        name = str(e).split()[0]
+        raise BadRequest(str(e), name if name in body else None) from None
     if n > 1 and seed is not None and seed + n > MAX_SEED:
         raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
@@ -169,6 +169,15 @@ def _stop(stop: Any) -> tuple[str, ...] | None:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     return tuple(stop)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias object: token ids (as JSON keys, strings) -> bias."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise BadRequest("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:

@@ -1,7 +1,7 @@
-"""Penalties stay lossless: greedy output with repetition / presence / frequency penalties equals
-transformers' generate (repetition) and a plain reference loop over transformers' forward (OpenAI's
-presence and frequency), under every kind of policy, alone and batched, on both architectures; and
-sampled tokens follow the penalized target distribution."""
+"""Logit rules stay lossless: greedy output with repetition / presence / frequency penalties, a logit
+bias, min_tokens and stop_token_ids equals transformers' generate (repetition) and a plain reference
+loop over transformers' forward (the others), under every kind of policy, alone and batched, on
+both architectures; and sampled tokens follow the processed target distribution (penalties, min_p)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from tests.engine.distribution import chi_square, exact_first_tokens
+from tests.engine.distribution import chi_square, chi_square_limit, exact_first_tokens
 from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.engine.batch import BatchedEngine
 
@@ -31,13 +31,19 @@ def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], presenc
 
 
 @torch.no_grad()
-def reference_greedy(target_dir, prompt: list[int], n: int, **penalties) -> list[int]:
-    """Plain greedy decoding with transformers' forward over the whole context each step."""
+def reference_greedy(target_dir, prompt: list[int], n: int, bias: dict[int, float] | None = None,
+                     stop: tuple[int, ...] = (), min_tokens: int = 0, **penalties) -> list[int]:
+    """Plain greedy decoding with transformers' forward over the whole context each step: stop tokens
+    masked before min_tokens, then the bias, then the penalties; the output ends at a stop token."""
     kwargs = {"attn_implementation": "eager"} if "gpt_oss" in str(target_dir) else {}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, **kwargs)
     out: list[int] = []
-    for _ in range(n):
-        logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+    while len(out) < n and not (out and out[-1] in stop):
+        logits = hf(torch.tensor([prompt + out])).logits[0, -1].clone()
+        if len(out) < min_tokens:
+            logits[list(stop)] = -torch.inf
+        for t, b in (bias or {}).items():
+            logits[t] += b
         out.append(int(penalize(logits, prompt, out, **penalties).argmax()))
     return out
 
@@ -111,8 +117,66 @@ def test_sampled_tokens_follow_the_penalized_distribution(checkpoints, monkeypat
     assert stat < 26.1, (stat, counts, exact)  # 99.9% quantile of chi-square with 8 degrees of freedom
 
 
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_logit_bias_equals_the_reference_loop(tiny, policy):
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    bias = {plain[1]: -100.0, plain[4]: 3.5}  # the second token banned, another favoured
+    want = reference_greedy(TINY_TARGET, ids, MAX_TOKENS, bias=bias)
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=bias))[0]
+    assert out.token_ids == want and want != plain and plain[1] not in want
+    if policy == "eagle3":
+        assert max(s.accepted_tokens for s in out.steps) >= 2
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_stop_token_ids_and_min_tokens_equal_the_reference_loop(tiny, policy):
+    """A stop token ends the output (kept, finish "stop"); with min_tokens it cannot be drawn before
+    the output holds that many tokens, also at the deeper nodes of a tree."""
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    stop = (plain[3],)
+    early = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=stop))[0]
+    assert early.token_ids == plain[:plain.index(stop[0]) + 1] and early.finish_reason == "stop"
+    want = reference_greedy(TINY_TARGET, ids, MAX_TOKENS, stop=stop, min_tokens=10)
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=stop,
+                                             min_tokens=10))[0]
+    assert out.token_ids == want and stop[0] not in want[:10]
+
+
+def test_min_p_greedy_is_unchanged_and_sampling_follows_the_filtered_distribution(tiny):
+    """moespec-tiny (peaked distributions, its drafter accepted), so min_p filters and trees are walked."""
+    llm, top_k, min_p = tiny["eagle3"], 4, 0.2
+    prompt = llm.encode([PROMPT])[0]
+    target = TINY_TARGET
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, min_p=0.9))[0].token_ids == \
+        llm.generate([prompt], greedy)[0].token_ids
+    exact = exact_first_tokens(target, prompt, top_k, 2, min_p=min_p)
+    unfiltered = exact_first_tokens(target, prompt, top_k, 2)
+    assert len(exact) < len(unfiltered)  # min_p removed some sequences
+    trials, counts = 400, {}
+    for seed in range(trials):
+        params = SamplingParams(max_tokens=2, temperature=1.0, top_k=top_k, min_p=min_p, seed=seed, ignore_eos=True)
+        key = tuple(llm.generate([prompt], params)[0].token_ids)
+        assert key in exact, f"emitted {key}, which min_p filters out"
+        counts[key] = counts.get(key, 0) + 1
+    stat, dof = chi_square(counts, exact, trials)
+    assert stat < chi_square_limit(dof), (stat, dof, counts, exact)
+
+
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                                 dict(repetition_penalty=float("inf")), dict(presence_penalty=True)])
-def test_bad_penalties_are_refused(bad):
-    with pytest.raises(ValueError, match="penalty"):
+                                 dict(repetition_penalty=float("inf")), dict(presence_penalty=True),
+                                 dict(logit_bias={3: 101}), dict(logit_bias={-1: 1.0}), dict(logit_bias={"3": 1.0}),
+                                 dict(min_tokens=-1), dict(min_tokens=1.5), dict(stop_token_ids=[-2]),
+                                 dict(min_p=1.5), dict(min_p=-0.1)])
+def test_bad_logit_rules_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_before_generating(tiny):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny["ar"].generate([PROMPT], SamplingParams(logit_bias={10**6: 1.0}))

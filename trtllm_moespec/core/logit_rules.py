@@ -1,0 +1,133 @@
+"""Per-request logit rules (penalties, logit bias, a minimum output length), applied losslessly to a
+whole verified tree.
+
+A rule that reads the tokens before a position (a penalty, the output length) makes the target
+distribution there depend on them, so every layout position is processed under its own context:
+the request's history (prompt and committed output) followed by the draft tokens on its path from
+the root. The acceptance rule then runs on those distributions exactly as on raw ones, so a
+speculative step emits what plain decoding under the same rules would (greedy: the same tokens;
+sampling: the same distribution). The drafter drafts without them: that may lower acceptance,
+never change the output.
+
+The rules are vLLM's, in vLLM's order, before temperature, top-k, min-p and top-p:
+  min_tokens m:  the stop tokens (eos, stop_token_ids) are banned while the output holds fewer than m tokens
+  logit_bias:    a fixed value added to chosen tokens' logits (OpenAI's, in [-100, 100])
+  repetition r:  a token of the prompt or the output gets logit / r when its logit is > 0, else logit * r
+                 (also transformers' `repetition_penalty`)
+  frequency f:   logit -= f * (times the token occurs in the output)        (OpenAI's, in [-2, 2])
+  presence p:    logit -= p * (1 if the token occurs in the output)         (OpenAI's, in [-2, 2])
+Reported logprobs stay the raw model's (core/logprobs.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .layout import TreeLayout
+
+MAX_ADDITIVE_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+# A token min_tokens holds back gets this logit: finite, because verification refuses non-finite logits
+# (they mean a corrupt forward), yet far enough below any real one that it has probability 0 after
+# any temperature, penalty or bias.
+BANNED_LOGIT = -1e30
+
+
+@dataclass(frozen=True)
+class LogitRules:
+    """A request's logit rules (validated on construction; the defaults change nothing)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("presence", "frequency"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY):
+                raise ValueError(f"{name}_penalty must be a number in [-2, 2], got {value!r}")
+        if not (_is_number(self.repetition) and math.isfinite(self.repetition) and self.repetition > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition!r}")
+        for token, bias in self.logit_bias:
+            if not (_is_int(token) and token >= 0 and _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {token!r}: {bias!r}")
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+
+    @property
+    def active(self) -> bool:
+        return (self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.logit_bias)
+                or self.min_tokens > 0)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class TokenHistory:
+    """A request's tokens as its logit rules read them: how often each token occurs in the output, and
+    which tokens the prompt or the output hold. Extended with every committed token."""
+
+    def __init__(self, rules: LogitRules, prompt_ids: list[int], vocab_size: int, stop_ids: frozenset[int] = frozenset(),
+                 device: torch.device | str = "cpu"):
+        if any(t >= vocab_size for t, _ in rules.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+        self.rules = rules
+        self.num_output = 0
+        self.counts = torch.zeros(vocab_size, device=device)  # [V] float32 occurrences in the output
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] in the prompt or the output
+        self.seen[torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        self.bias = None  # [V] float32, or None without logit_bias
+        if rules.logit_bias:
+            self.bias = torch.zeros(vocab_size, device=device)
+            for token, value in rules.logit_bias:
+                self.bias[token] = value
+        self.stop_ids = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.int64, device=device)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Committed output tokens."""
+        if tokens:
+            self.num_output += len(tokens)
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(tokens), device=ids.device), accumulate=True)
+            self.seen[ids] = True
+
+    def apply(self, logits: torch.Tensor, layout: TreeLayout | None, row: int = 0) -> torch.Tensor:
+        """logits [T, V] at request `row`'s layout positions -> new float32 logits [T, V], each position
+        under the history followed by the draft tokens on its path (the root is the history's last
+        token; a node's own token is part of its context). A root alone (T = 1) needs no layout."""
+        r = self.rules
+        T = logits.shape[0]
+        out = logits.float().clone()
+        if r.min_tokens > self.num_output and self.stop_ids.numel():
+            # the token drawn at a position of depth d is output token num_output + d
+            depth = layout.depth[row, :T].to(out.device) if T > 1 else torch.zeros(1, dtype=torch.int64, device=out.device)
+            early = (self.num_output + depth) < r.min_tokens  # [T]
+            out[:, self.stop_ids] = out[:, self.stop_ids].masked_fill(early[:, None], BANNED_LOGIT)
+        if self.bias is not None:
+            out += self.bias
+        if r.presence == 0 and r.frequency == 0 and r.repetition == 1:
+            return out
+        counts, seen = self.counts[None], self.seen[None]  # [1, V]
+        if T > 1:
+            path = layout.paths[row, :T, 1:]  # [T, D] positions of the nodes on each path (depth >= 1), -1 pad
+            tokens = layout.token_ids[row][path.clamp(min=0)]  # [T, D]
+            on_path = torch.zeros_like(out)
+            on_path.scatter_add_(1, tokens, (path >= 0).float())
+            counts, seen = counts + on_path, seen | (on_path > 0)  # [T, V]
+        if r.repetition != 1:
+            out = torch.where(seen, torch.where(out > 0, out / r.repetition, out * r.repetition), out)
+        if r.frequency != 0:
+            out = out - r.frequency * counts
+        if r.presence != 0:
+            out = out - r.presence * (counts > 0).float()
+        return out
