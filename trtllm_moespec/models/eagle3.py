@@ -223,7 +223,12 @@ class Eagle3Cache:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Llama form: normalise in float32, cast back, scale)."""
+    """RMSNorm (Llama form: normalise in float32, cast back, scale); weight [H] or one row per
+    stacked input [N, H]."""
+    if x.dtype == torch.float32:  # torch's fused kernel: the same result, ~3 us less per call on CPU
+        if weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
