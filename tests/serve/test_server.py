@@ -245,6 +245,35 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_evaluation_harnesses_read_t
     assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
 
 
+def test_tokenizer_endpoints_answer_as_vllms_for_remote_tokenizers(tiny_llm):
+    """lm-eval's remote-tokenizer check (GET /tokenizer_info with eos_token, POST /tokenize) and its
+    encode / decode / chat template, against the model's own tokenizer."""
+    messages = [{"role": "user", "content": "sort"}]
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.get("/tokenizer_info"),
+                client.post("/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}),
+                client.post("/tokenize", json={"messages": messages}),
+                client.post("/detokenize", json={"tokens": tiny_llm.encode([PROMPTS[2]])[0]}),
+                client.post("/tokenize", json={"prompt": 5}),
+                client.post("/detokenize", json={"tokens": [10**7]}),
+                client.post("/tokenize", content=b"{not json"))
+
+    with ServerThread(tiny_llm, max_batch_size=1, chat_template=TEMPLATE) as server:
+        info, tokens, chat, text, bad_prompt, bad_tokens, bad_json = _run(clients(server.url))
+    assert info.json()["eos_token"] == tiny_llm.tokenizer.eos_token and info.json()["chat_template"] == TEMPLATE
+    assert info.json()["model_max_length"] == tiny_llm.target.max_position_embeddings
+    assert tokens.json()["tokens"] == tiny_llm.encode([PROMPTS[0]])[0] == tokens.json()["tokens"][:tokens.json()["count"]]
+    want = tiny_llm.tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                                  tokenize=True)
+    assert chat.json()["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert text.json() == {"prompt": PROMPTS[2]}
+    assert [r.status_code for r in (bad_prompt, bad_tokens, bad_json)] == [400] * 3
+    assert bad_prompt.json()["error"]["param"] == "prompt" and bad_tokens.json()["error"]["param"] == "tokens"
+
+
 def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm):
     """A server with a prefix cache: turn 2 resends turn 1 and its answer; both answers are those of
     a server without one (tiny_llm), and the cache reused the conversation."""

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/completions, /v1/chat/completions (SSE
-streaming), /v1/models, /health, /metrics.
+streaming), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize and /tokenizer_info
+(what evaluation harnesses use to tokenize through the server, e.g. lm-eval's remote tokenizer).
 
 Handlers only translate: they check the body (400 on bad input), tokenize, hand engine
 requests to the `Scheduler` and turn its events into OpenAI responses. A streaming
@@ -23,7 +24,8 @@ from ..core.logprobs import TokenLogprob
 from ..engine.engine import Request
 from ..detokenize import IncrementalText, TextStream
 from .engine import make_request
-from .protocol import BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion, usage
+from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
+                       parse_detokenize, parse_tokenize, usage)
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
@@ -93,6 +95,35 @@ class Server:
             raise ValueError("the chat template produced an empty prompt")
         return [int(t) for t in ids]
 
+    # ------------------------------------------------------------------ tokenizer endpoints
+    def tokenize(self, body: object) -> dict:
+        """vLLM's /tokenize: a prompt (with the tokenizer's special tokens unless add_special_tokens is
+        false) or chat messages through the chat template -> their token ids."""
+        req = parse_tokenize(body)
+        tokenizer = self._tokenizer()
+        with self._tokenizer_lock:
+            ids = (self._chat_ids(req.messages) if req.prompt is None else
+                   list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        return {"count": len(ids), "max_model_len": self.llm.target.max_position_embeddings, "tokens": ids}
+
+    def detokenize(self, body: object) -> dict:
+        """vLLM's /detokenize: token ids -> their text."""
+        self._tokenizer()
+        return {"prompt": self.decode(parse_detokenize(body, self.llm.target.vocab_size))}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the special tokens, the chat template and the context length."""
+        tokenizer = self._tokenizer()
+        info = {name: getattr(tokenizer, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
+        return {"tokenizer_class": type(tokenizer).__name__, **info, "model_max_length":
+                self.llm.target.max_position_embeddings,
+                "chat_template": self.chat_template or getattr(tokenizer, "chat_template", None)}
+
+    def _tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise BadRequest(f"the model '{self.model_name}' has no tokenizer")
+        return self.llm.tokenizer
+
     def decode(self, ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
             return self.llm._decode(ids)
@@ -140,6 +171,18 @@ def build_app(server: Server) -> FastAPI:
                                             "owned_by": "moespec", "max_model_len":
                                             server.llm.target.max_position_embeddings}]}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return await _answer(server.tokenizer_info)
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        return await _answer(server.tokenize, http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest):
+        return await _answer(server.detokenize, http)
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         return await _generate(server, http, chat=False)
@@ -153,10 +196,7 @@ def build_app(server: Server) -> FastAPI:
 
 async def _generate(server: Server, http: HttpRequest, chat: bool):
     try:
-        body = json.loads(await http.body())
-    except (ValueError, UnicodeDecodeError):
-        return _error(400, "the request body is not valid JSON")
-    try:
+        body = await _json(http)
         req = parse_chat(body) if chat else parse_completion(body)
         choices = server.prepare(req)
     except BadRequest as e:
@@ -325,6 +365,25 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
         yield "data: [DONE]\n\n"
     finally:  # normal end, error, or the client went away (the task is cancelled)
         server.cancel([c for c in choices if c.finish_reason is None])
+
+
+async def _json(http: HttpRequest) -> object:
+    """The request body as JSON; BadRequest when it is not."""
+    try:
+        return json.loads(await http.body())
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+async def _answer(handler, http: HttpRequest | None = None):
+    """A small synchronous handler's result (called with the JSON body when `http` is given), or a
+    bad body / its BadRequest / ValueError as a 400."""
+    try:
+        return handler() if http is None else handler(await _json(http))
+    except BadRequest as e:
+        return _error(400, str(e), param=e.param)
+    except ValueError as e:
+        return _error(400, str(e))
 
 
 def _sse(payload: dict) -> str:

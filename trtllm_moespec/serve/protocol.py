@@ -132,6 +132,35 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
                              bool((options or {}).get("include_usage", False)), n, echo)
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A checked /tokenize body (vLLM's): a prompt, or chat messages through the chat template."""
+
+    prompt: str | None
+    messages: tuple[dict, ...]
+    add_special_tokens: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _object(body)
+    if "messages" in body:
+        return TokenizeRequest(None, _messages(body["messages"]), False)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' must be a string (or send 'messages')", "prompt")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise BadRequest(f"'add_special_tokens' must be true or false, got {special!r}", "add_special_tokens")
+    return TokenizeRequest(prompt, (), special)
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> list[int]:
+    tokens = _object(body).get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in tokens):
+        raise BadRequest(f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
+    return tokens
+
+
 # ---------------------------------------------------------------------- field checks
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
