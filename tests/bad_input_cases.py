@@ -86,6 +86,12 @@ CASES: tuple[Case, ...] = (
          "error before the run (was: traceback after the whole run)"),
     Case("max-tokens-zero", "CLI", "`--max-tokens 0`", "error before torch loads"),
     Case("prompt-file-missing", "CLI", "`--prompt-file` that does not exist", "error naming the file"),
+    # --- logit rules
+    Case("penalty-out-of-range", "CLI", "`--presence-penalty 3`", "error naming the field and its range [-2, 2]"),
+    Case("logit-rules-out-of-range", "API", "`SamplingParams(logit_bias={3: 101})`, `min_tokens=-1`, `min_p=1.5`, "
+         "`stop_token_ids=[-2]`, `repetition_penalty=0`", "error naming the field at construction"),
+    Case("logit-bias-outside-vocab", "API", "`logit_bias={10**6: 1.0}` on a 4096-token model",
+         "error naming the vocabulary size, before generating"),
 )
 
 

@@ -173,10 +173,12 @@ def test_min_p_greedy_is_unchanged_and_sampling_follows_the_filtered_distributio
                                  dict(min_tokens=-1), dict(min_tokens=1.5), dict(stop_token_ids=[-2]),
                                  dict(min_p=1.5), dict(min_p=-0.1)])
 def test_bad_logit_rules_are_refused(bad):
+    """(case logit-rules-out-of-range)"""
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_before_generating(tiny):
+    """(case logit-bias-outside-vocab)"""
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny["ar"].generate([PROMPT], SamplingParams(logit_bias={10**6: 1.0}))
