@@ -28,6 +28,7 @@ from .detokenize import TextStream, stop_string_check
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
+from .engine.structured import GrammarCompiler, StructuredOutput
 from .models.checkpoint import parse_dtype
 from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafter, device_name, load_cost_profile,
                       load_predictor, load_value_model, parse_device, resolve_model, set_cpu_threads)
@@ -67,6 +68,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # more tokens that end the output (kept), also with ignore_eos
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after top-k); 0 = off
+    # The output must match this (JSON, a JSON schema, a regex, a choice, an EBNF grammar; engine/structured.py):
+    # e.g. StructuredOutput.of(json_schema={...}). Needs xgrammar and ends at the model's eos.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -86,6 +90,11 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if isinstance(self.logit_bias, dict):  # a hashable, ordered form (and the dict's keys checked as ints)
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items(), key=lambda kv: str(kv[0]))))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput (StructuredOutput.of(...)), got "
+                             f"{type(self.structured).__name__}")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("structured output ends at the model's eos: it cannot be used with ignore_eos")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
             if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -244,6 +253,7 @@ class LLM:
 
             self.target.use_verify_runner("graphs", verify_buckets(tree.max_draft_tokens))
         self.tokenizer = _load_tokenizer(self.paths.target)
+        self._grammar_compiler: GrammarCompiler | None = None
         options = dict(policy_options or {})
         if placement is not None and ep_pricing and policy in ("ecospec", "joint"):
             options.setdefault("placement", placement)
@@ -334,8 +344,19 @@ class LLM:
         stop_ids = stop_ids | frozenset(params.stop_token_ids or ())
         rules = params.logit_rules()
         history = TokenHistory(rules, ids, self.target.vocab_size, stop_ids, self.target.device) if rules.active else None
+        grammar = None
+        if params.structured is not None:
+            grammar = self._grammars().matcher(params.structured)
         return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
-                       logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, history=history)
+                       logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, history=history,
+                       grammar=grammar)
+
+    def _grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler, made on first use (it reads the whole vocabulary)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size,
+                                                     frozenset(self.target.eos_token_ids))
+        return self._grammar_compiler
 
     def _stop_check(self, params: SamplingParams):
         if not params.stop:

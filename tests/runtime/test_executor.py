@@ -147,3 +147,6 @@ def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
     assert (more["min_p"], more["min_tokens"], more["stop_token_ids"]) == (0.1, 2, [7])
     with pytest.raises(ValueError, match="logit_bias is not supported by the TensorRT-LLM backend"):
         trtllm_sampling_kwargs(SamplingParams(logit_bias={3: 1.0}))
+    from trtllm_moespec import StructuredOutput
+    with pytest.raises(ValueError, match="structured is not supported by the TensorRT-LLM backend"):
+        trtllm_sampling_kwargs(SamplingParams(structured=StructuredOutput.of(json_object=True)))

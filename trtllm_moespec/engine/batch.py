@@ -42,7 +42,7 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
-from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer
+from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, processed_logits
 from .stats import StepStats
 
 
@@ -355,16 +355,11 @@ def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[
         if not group:
             continue
         result = verify_tree(root_layout(torch.cat([roots[b] for b in group])),
-                             torch.cat([_penalized_root(requests[b], outs[b].logits) for b in group]),  # [G, 1, V]
+                             torch.cat([processed_logits(requests[b], outs[b].logits, None) for b in group]),  # [G, 1, V]
                              [requests[b].sampling for b in group], [requests[b].generator for b in group])
         for i, b in enumerate(group):
             results[b] = result.row(i)
     return results
-
-
-def _penalized_root(request: Request, logits: torch.Tensor) -> torch.Tensor:
-    """A plain step's root logits [1, 1, V] under the request's logit rules (when it has any)."""
-    return logits if request.history is None else request.history.apply(logits[0], None)[None]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .config import TreeConfig
 from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
 from .guard import Guard, GuardState
 from .prefix_cache import DrafterPrefix, PrefixCache, SequenceFeatures
+from .structured import GrammarState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
 
@@ -50,6 +51,7 @@ class Request:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
     prompt_token_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., set by the prefill
     history: TokenHistory | None = None  # its logit rules and the tokens they read (None: no rules)
+    grammar: GrammarState | None = None  # its structured-output constraint (None: free text)
     features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
@@ -159,11 +161,8 @@ class SpecEngine:
 
     @staticmethod
     def accept(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
-        """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions: each
-        position under the request's logit rules first, when it has any (core/logit_rules.py)."""
-        if request.history is not None:
-            logits = request.history.apply(logits[0], layout)[None]
-        return verify_tree(layout, logits, [request.sampling], [request.generator])
+        """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions."""
+        return verify_tree(layout, processed_logits(request, logits, layout), [request.sampling], [request.generator])
 
     def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
@@ -317,10 +316,20 @@ class SpecEngine:
                 del request.output_ids[cut:]
                 request.finish_reason = "stop"
         del request.output_logprobs[len(request.output_ids):]  # tokens past eos, max_tokens or a stop string
-        if request.history is not None:
-            request.history.extend(request.output_ids[before:])
+        for rule in (request.history, request.grammar):
+            if rule is not None:
+                rule.extend(request.output_ids[before:])
         return request.finish_reason is not None
 
+
+
+def processed_logits(request: Request, logits: torch.Tensor, layout: TreeLayout | None) -> torch.Tensor:
+    """logits [1, T, V] at one request's layout positions under its logit rules (core/logit_rules.py) and
+    its grammar (structured.py), each position under its own context; unchanged without either."""
+    for rule in (request.history, request.grammar):
+        if rule is not None:
+            logits = rule.apply(logits[0], layout)[None]
+    return logits
 
 
 def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:

@@ -233,9 +233,11 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
     """Our SamplingParams -> keywords of TensorRT-LLM's `SamplingParams` (tensorrt_llm/sampling_params.py
     @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
     presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None.
-    A logit bias has no keyword there (only a [vocab] `embedding_bias` tensor): refused."""
-    if params.logit_bias:
-        raise ValueError("logit_bias is not supported by the TensorRT-LLM backend; use the PyTorch engine")
+    A logit bias has no keyword there (only a [vocab] `embedding_bias` tensor), and structured output
+    needs the LLM built with a guided-decoding backend: both refused."""
+    for name in ("logit_bias", "structured"):
+        if getattr(params, name):
+            raise ValueError(f"{name} is not supported by the TensorRT-LLM backend; use the PyTorch engine")
 
     def unless(value: float, off: float) -> float | None:
         return None if value == off else value
