@@ -59,6 +59,12 @@ def test_chat_defaults_to_the_rest_of_the_context():
     ({"prompt": "a", "stop_token_ids": 5}, "stop_token_ids"),
     ({"prompt": "a", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    ({"prompt": "a", "guided_choice": "yes"}, "guided_choice"),
+    ({"prompt": "a", "guided_json": "{not json"}, "guided_json"),
+    ({"prompt": "a", "structured_outputs": {"xml": "x"}}, "structured_outputs"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
@@ -97,6 +103,25 @@ def test_penalties_reach_the_sampling_params():
                               "stop_token_ids": [5, 6], "min_p": 0.1}).params
     assert dict(rules.logit_bias) == {7: -100, 12: 2.5} and rules.min_tokens == 3
     assert rules.stop_token_ids == (5, 6) and rules.min_p == 0.1
+
+
+def test_structured_output_fields_map_to_one_constraint():
+    from trtllm_moespec import StructuredOutput
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse_completion({"prompt": "a"}).params.structured is None
+    assert parse_completion({"prompt": "a", "response_format": {"type": "text"}}).params.structured is None
+    assert parse_chat({**chat, "response_format": {"type": "json_object"}}).params.structured == StructuredOutput("json")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    assert parse_chat({**chat, "response_format": fmt}).params.structured == StructuredOutput.of(json_schema=schema)
+    assert parse_completion({"prompt": "a", "guided_json": schema}).params.structured == \
+        StructuredOutput.of(json_schema=schema)
+    assert parse_completion({"prompt": "a", "guided_choice": ["x", "y"]}).params.structured == \
+        StructuredOutput("choice", ("x", "y"))
+    assert parse_completion({"prompt": "a", "structured_outputs": {"regex": "a+"}}).params.structured == \
+        StructuredOutput("regex", "a+")
+    assert parse_completion({"prompt": "a", "guided_grammar": "root ::= \"a\""}).params.structured.kind == "grammar"
 
 
 def test_logprobs_map_to_the_number_of_alternatives():

@@ -131,6 +131,39 @@ def test_logit_rules_give_the_single_requests_output(tiny_llm):
     assert plain.json()["choices"][0]["text"] == streamed == want
 
 
+def test_structured_output_through_response_format_and_guided_fields(tiny_llm):
+    """Chat with a JSON schema (streamed too), a completion with vLLM's guided_choice: the single
+    request's output, valid; a grammar that does not compile is a 400."""
+    pytest.importorskip("xgrammar")
+    from trtllm_moespec import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    messages = [{"role": "user", "content": "a number"}]
+    ids = tiny_llm.tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                                 tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tiny_llm.generate([ids], SamplingParams(max_tokens=24, structured=StructuredOutput.of(json_schema=schema)))[0]
+    choice = tiny_llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=8, structured=StructuredOutput.of(choice=["yes", "no"])))[0].text
+    chat = {"messages": messages, "max_tokens": 24, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "number", "schema": schema}}}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/chat/completions", json=chat), _stream(client, "/v1/chat/completions", chat),
+                client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                                     "guided_choice": ["yes", "no"]}),
+                client.post("/v1/completions", json={"prompt": PROMPTS[0], "guided_grammar": "root ::= ("}))
+
+    with ServerThread(tiny_llm, max_batch_size=3, chat_template=TEMPLATE) as server:
+        whole, (streamed, _, _), picked, bad = _run(clients(server.url))
+    text = whole.json()["choices"][0]["message"]["content"]
+    assert text == streamed == want.text and isinstance(json.loads(text)["n"], int)
+    assert picked.json()["choices"][0]["text"] == choice in ("yes", "no")
+    assert bad.status_code == 400 and "cannot compile" in bad.json()["error"]["message"]
+
+
 def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
     """Completions (two prompts in one request, batched with a chat request) and chat: each token's
     logprob and alternatives equal `LLM.generate`'s alone, in OpenAI's two shapes."""

@@ -1,9 +1,11 @@
 """OpenAI request bodies -> checked requests, and the OpenAI response / error shapes.
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
-send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`);
-OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are applied too (core/logit_rules.py). Fields that would change what is generated and
-that the engine does not implement (best_of, guided decoding, tools, ...) are
+send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
+`structured_outputs` and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`);
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (core/logit_rules.py) and
+`response_format` (engine/structured.py) are applied too. Fields that would change what is generated and
+that the engine does not implement (best_of, tools, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
@@ -20,14 +22,16 @@ from typing import Any
 
 from ..api import SamplingParams
 from ..core.logprobs import MAX_LOGPROBS
+from ..engine.structured import StructuredOutput
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
     ("best_of", (None, 1)), ("suffix", (None, "")),
-    ("use_beam_search", (None, False)), ("tools", (None, [])),
-    ("functions", (None, [])), ("guided_json", (None,)), ("guided_regex", (None,)),
-    ("guided_choice", (None,)), ("guided_grammar", (None,)),
+    ("use_beam_search", (None, False)), ("tools", (None, [])), ("functions", (None, [])),
 )
+# vLLM's structured-output fields -> StructuredOutput.of keywords
+_GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
 MAX_SEED = 2**63
 NUMERIC_RULES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                  ("min_p", 0.0))  # (field, off)
@@ -116,7 +120,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
-                 stop_token_ids=body.get("stop_token_ids") or None)
+                 stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body))
     if rules["stop_token_ids"] is not None and not isinstance(rules["stop_token_ids"], list):
         raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     try:
@@ -198,6 +202,38 @@ def _stop(stop: Any) -> tuple[str, ...] | None:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     return tuple(stop)
+
+
+def _structured(body: dict) -> StructuredOutput | None:
+    """OpenAI's response_format (json_object, json_schema) or one of vLLM's structured_outputs /
+    guided_* fields -> the request's StructuredOutput (None: free text)."""
+    given: dict[str, Any] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given["json_object"] = True
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise BadRequest("'response_format.json_schema.schema' must be a JSON schema", "response_format")
+            given["json_schema"] = schema
+        elif kind != "text":
+            raise BadRequest("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                             "response_format")
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or not set(outputs) <= {"json", "regex", "choice", "grammar", "json_object"}:
+            raise BadRequest("'structured_outputs' takes one of json, regex, choice, grammar, json_object",
+                             "structured_outputs")
+        given.update({("json_schema" if k == "json" else k): v for k, v in outputs.items() if v not in (None, False)})
+    given.update({key: body[name] for name, key in _GUIDED if body.get(name) is not None})
+    try:
+        return StructuredOutput.of(**given)
+    except (ValueError, TypeError) as e:
+        param = "response_format" if fmt is not None else "structured_outputs" if outputs is not None else next(
+            (name for name, _ in _GUIDED if body.get(name) is not None), None)
+        raise BadRequest(str(e), param) from None
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:
