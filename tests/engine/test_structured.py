@@ -90,6 +90,43 @@ def test_greedy_structured_output_equals_the_reference_loop(tiny, policy, kind, 
         assert max(compared) > 1  # trees with nodes the grammar allows were masked
 
 
+def test_drafting_proposes_only_what_the_grammar_allows_and_is_accepted_more(tiny, monkeypatch):
+    """Under a JSON schema every drafted node whose path has nonzero draft probability is a token the
+    grammar allows after its path, and the drafter's constrained trees are accepted more than unconstrained ones
+    (same output either way: drafting never changes it)."""
+    import trtllm_moespec.engine.engine as engine_module
+    from trtllm_moespec.models import eagle3_draft
+
+    llm, output = tiny["eagle3"], CONSTRAINTS["json_schema"]
+    ids = llm.encode([PROMPT])[0]
+    params = SamplingParams(max_tokens=40, structured=output)
+    checked = []
+    draft = eagle3_draft.draft_eagle3_trees
+
+    def checking(*args, **kwargs):
+        outs = draft(*args, **kwargs)
+        constraint = (kwargs.get("constraints") or args[7])[0]
+        if constraint is None:  # the unconstrained run below
+            return outs
+        tree = outs[0].tree
+        tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+        scores = tree.log_scores[0].exp().tolist()  # the path's draft probability
+        paths = eagle3_draft._paths_of(tokens, parents, list(range(len(tokens))))
+        allowed = constraint([p[:-1] for p in paths])
+        for v, (path, score) in enumerate(zip(paths, scores)):  # (fillers past a banned token score ~0)
+            assert score < 1e-12 or allowed[v, path[-1]], (path, score)
+        checked.append(len(tokens))
+        return outs
+
+    monkeypatch.setattr(eagle3_draft, "draft_eagle3_trees", checking)
+    guided = llm.generate([ids], params)[0]
+    assert checked
+    monkeypatch.setattr(engine_module, "draft_constraint", lambda request: None)
+    free = llm.generate([ids], params)[0]
+    assert guided.token_ids == free.token_ids
+    assert guided.stats.mean_accepted_tokens > 1.5 * free.stats.mean_accepted_tokens
+
+
 def test_structured_requests_in_a_batch_equal_alone(tiny):
     llm = tiny["eagle3"]
     prompts = llm.encode([PROMPT, "import os\n", "class Stack:\n"])

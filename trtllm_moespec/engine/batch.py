@@ -42,7 +42,7 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
-from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, processed_logits
+from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits
 from .stats import StepStats
 
 
@@ -174,7 +174,7 @@ class BatchedEngine:
             engine.track(request, prefill)
             root = engine._first_token(prefill, request)
             active.drafter = RequestDrafter(engine.draft_source, LazyDraftStart(prompt, prefill, root, drafter_prefix),
-                                            lazy=self._defer_drafter)
+                                            lazy=self._defer_drafter, constraint=draft_constraint(request))
             if engine.values is not None and engine.policy.uses_values:
                 active.values = engine.values.for_request(request.sampling)
             finished = engine._append(request, [root], prefill.logits[0, -1:])

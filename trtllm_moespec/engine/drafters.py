@@ -120,9 +120,10 @@ class Eagle3Source:
         self._catch_up([state])
         expand = self._expand_rule(state)
         if self.frontier_runner is None:
-            out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand)
+            out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand,
+                                          state.constraint)
         else:
-            out = self._draft_static(state.cache, expand)
+            out = self._draft_static(state.cache, expand, state.constraint)
         return Draft(out.tree, out.node_hidden)
 
     def draft_batch(self, states: list["Eagle3State"], contexts: list[list[int]], device: torch.device) -> list[Draft]:
@@ -133,7 +134,7 @@ class Eagle3Source:
             return [self.draft(s, c, device) for s, c in zip(states, contexts)]
         self._catch_up(states)
         outs = draft_eagle3_trees(self.drafter, [s.cache for s in states], self.steps, self.topk, self.ddd_threshold,
-                                  [self._expand_rule(s) for s in states])
+                                  [self._expand_rule(s) for s in states], constraints=[s.constraint for s in states])
         return [Draft(out.tree, out.node_hidden) for out in outs]
 
     def _expand_rule(self, state: "Eagle3State") -> Callable[[DraftTree, torch.Tensor], bool] | None:
@@ -142,16 +143,16 @@ class Eagle3Source:
             rule = replace(rule, values=state.node_values)  # rank the frontier on this request's values
         return None if rule is None else _should_expand(rule)
 
-    def _draft_static(self, cache, expand):
+    def _draft_static(self, cache, expand, constraint):
         """Draft through the frontier runner; if its graph cannot be captured, warn once, drop it and
         draft eagerly (drafting never changes the committed cache, so starting over is exact)."""
         try:
             return draft_eagle3_tree(self.drafter, cache, self.steps, self.topk, self.ddd_threshold, expand,
-                                     frontier_runner=self.frontier_runner)
+                                     frontier_runner=self.frontier_runner, constraint=constraint)
         except GraphCaptureError as e:
             warn_fallback(e.__cause__ or e, "drafter's tree-drafting forward")
             self.frontier_runner = None
-            return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand)
+            return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand, constraint)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         self.commit_batch([state], [result], [verify])
@@ -232,6 +233,7 @@ class Eagle3State:
     pending_ids: list[torch.Tensor] = field(default_factory=list)  # [1] bonus token of each deferred plain step
     pending_hidden: list[torch.Tensor] = field(default_factory=list)  # [1, 3H] target capture hidden at its root
     node_values: Callable[[DraftTree], torch.Tensor] | None = None  # the request's node values, for the stop rule
+    constraint: Callable[[list[list[int]]], torch.Tensor] | None = None  # its grammar's allowed tokens after paths
 
 
 class NgramSource:
@@ -281,8 +283,10 @@ class RequestDrafter:
     """One request's draft source and state, started at once or (`lazy`, under a goodput guard) at the
     request's first speculative step; plain steps are deferred to the drafter (or kept until it starts)."""
 
-    def __init__(self, source, pending: LazyDraftStart, lazy: bool):
+    def __init__(self, source, pending: LazyDraftStart, lazy: bool,
+                 constraint: Callable[[list[list[int]]], torch.Tensor] | None = None):
         self.source, self.pending, self.node_values = source, pending, None
+        self.constraint = constraint  # the request's grammar's allowed tokens, for drafting (engine/structured.py)
         self.state = None
         if not lazy:
             self._start()
@@ -290,8 +294,8 @@ class RequestDrafter:
     def _start(self) -> None:
         if self.pending is not None:
             self.state, self.pending = self.pending.start(self.source), None
-            if self.node_values is not None and isinstance(self.state, Eagle3State):
-                self.state.node_values = self.node_values
+            if isinstance(self.state, Eagle3State):
+                self.state.node_values, self.state.constraint = self.node_values, self.constraint
 
     def draft(self, context: list[int], device: torch.device) -> Draft:
         self._start()

@@ -91,7 +91,7 @@ class SpecEngine:
         root = self._first_token(prefill, request)
         # Under the goodput guard the drafter starts at the request's first speculative step (if any).
         drafter = RequestDrafter(self.draft_source, LazyDraftStart(prompt, prefill, root, drafter_prefix),
-                                 lazy=self.guard is not None)
+                                 lazy=self.guard is not None, constraint=draft_constraint(request))
         request.prefill_ms = (time.perf_counter() - t0) * 1e3
         if self._append(request, [root], prefill.logits[0, -1:]):
             yield request.output_ids[-1:]
@@ -321,6 +321,11 @@ class SpecEngine:
                 rule.extend(request.output_ids[before:])
         return request.finish_reason is not None
 
+
+
+def draft_constraint(request: Request):
+    """What the request's drafter may propose after a path (None: anything): its grammar's tokens."""
+    return None if request.grammar is None else request.grammar.allowed_after
 
 
 def processed_logits(request: Request, logits: torch.Tensor, layout: TreeLayout | None) -> torch.Tensor:

@@ -141,6 +141,24 @@ class GrammarState:
         # masked_fill, without its branch per element (5-10x slower on a grammar's irregular masks)
         return logits + allowed.float().sub_(1).mul_(-BANNED_LOGIT)
 
+    def allowed_after(self, paths: list[list[int]]) -> torch.Tensor:
+        """[len(paths), V] bool: the tokens allowed after each token path (from the committed output;
+        a path the grammar refuses allows nothing). What the drafter may propose at a tree node."""
+        bitmask = self._xgr.allocate_token_bitmask(len(paths), self.vocab_size)
+        for i, path in enumerate(paths):
+            accepted = 0
+            for t in path:
+                if not self.matcher.accept_token(t):
+                    break
+                accepted += 1
+            if accepted == len(path):
+                self.matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                bitmask[i] = 0
+            if accepted:
+                self.matcher.rollback(accepted)
+        return unpack_bitmask(bitmask, self.vocab_size)
+
     def tree_masks(self, layout: TreeLayout | None, row: int, T: int) -> torch.Tensor:
         """[T, V] bool: the tokens allowed after each layout position (xgrammar's tree traversal)."""
         bitmask = self._xgr.allocate_token_bitmask(T, self.vocab_size)
@@ -153,32 +171,22 @@ class GrammarState:
         return unpack_bitmask(bitmask, self.vocab_size)
 
     def tree_masks_reference(self, layout: TreeLayout | None, row: int, T: int) -> torch.Tensor:
-        """`tree_masks` by hand: for each position, accept the tokens on its path, read the mask,
-        take them back (a path the grammar refuses leaves its position all-banned: never read)."""
-        bitmask = self._xgr.allocate_token_bitmask(T, self.vocab_size)
-        self._xgr.reset_token_bitmask(bitmask)
-        parents = [-1] if T == 1 else layout.parent_pos[row, :T].tolist()
-        tokens = [0] if T == 1 else layout.token_ids[row, :T].tolist()
+        """`tree_masks` by hand: each position's path walked by `allowed_after` (pads allow nothing:
+        never read)."""
+        if T == 1:
+            return self.allowed_after([[]])
+        parents, tokens = layout.parent_pos[row, :T].tolist(), layout.token_ids[row, :T].tolist()
+        paths, pads = [], []
         for p in range(T):
-            if p > 0 and parents[p] < 0:  # a pad: never read
-                bitmask[p] = 0
-                continue
             path, q = [], p
             while q > 0:
                 path.append(tokens[q])
                 q = parents[q]
-            accepted = 0
-            for t in reversed(path):
-                if not self.matcher.accept_token(t):
-                    break
-                accepted += 1
-            if accepted == len(path):
-                self.matcher.fill_next_token_bitmask(bitmask, p)
-            else:
-                bitmask[p] = 0
-            if accepted:
-                self.matcher.rollback(accepted)
-        return unpack_bitmask(bitmask, self.vocab_size)
+            paths.append(path[::-1])
+            pads.append(p > 0 and parents[p] < 0)
+        masks = self.allowed_after(paths)
+        masks[torch.tensor(pads)] = False
+        return masks
 
 
 def _tree_links(parents: list[int]) -> tuple[list[int], list[int]]:

@@ -557,6 +557,15 @@ class Eagle3Drafter(nn.Module):
             table = self._rope_table = (cos[0], sin[0])
         return table
 
+    def draft_vocab_target_ids(self) -> torch.Tensor:
+        """[V_draft] the target id of every draft-vocabulary token (cached per d2t table)."""
+        d2t = self._buffers["d2t"]
+        key = (d2t.data_ptr(), d2t._version)  # a load writes the buffer in place: its version changes
+        cached = getattr(self, "_draft_vocab_ids", None)
+        if cached is None or cached[0] != key:
+            cached = self._draft_vocab_ids = (key, self.to_target_ids(torch.arange(d2t.numel(), device=d2t.device)))
+        return cached[1]
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids: d + d2t[d]."""
         d2t = self._buffers["d2t"]  # a module attribute lookup costs more than the lookup itself
@@ -683,12 +692,13 @@ class Eagle3Drafter(nn.Module):
         return emitted[None].to(self.lm_head.weight.device), target_hidden.index_select(1, pos.to(target_hidden.device))
 
     def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None,
-                   should_expand=None):
+                   should_expand=None, constraint=None):
         """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft.
-        `should_expand(tree, frontier)` -> False stops drafting before the next expansion."""
+        `should_expand(tree, frontier)` -> False stops drafting before the next expansion; `constraint`
+        restricts each node's children to the tokens a grammar allows."""
         from .eagle3_draft import draft_eagle3_tree
 
-        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, should_expand)
+        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, should_expand, constraint=constraint)
 
 
 def causal_mask(past_len: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -44,6 +44,9 @@ class Eagle3Draft:
 
 
 ExpandRule = Callable[[DraftTree, torch.Tensor], bool]  # (tree so far, frontier node idx [F]) -> expand it?
+# (token paths after the committed output, one per row) -> [rows, V_target] bool: the tokens a request's
+# grammar allows next. Drafting then proposes only those (engine/structured.py); acceptance is unchanged.
+DraftConstraint = Callable[[list[list[int]]], torch.Tensor]
 
 
 @torch.no_grad()
@@ -55,6 +58,7 @@ def draft_eagle3_tree(
     ddd_threshold: float | None = None,
     should_expand: ExpandRule | None = None,
     frontier_runner: "StaticDrafterFrontier | None" = None,
+    constraint: DraftConstraint | None = None,
 ) -> Eagle3Draft:
     """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`.
 
@@ -62,9 +66,11 @@ def draft_eagle3_tree(
     `should_expand(tree, frontier)` returns False: the per-step "expand further?" decision a
     stop rule plugs in here. `frontier_runner` (`models.cuda_graphs.StaticDrafterFrontier`, or its
     CUDA graph `DrafterFrontierGraphs`) runs each step's forward with static shapes instead of
-    `Eagle3Drafter.forward`; the tree and everything around the forward stay the same.
+    `Eagle3Drafter.forward`; the tree and everything around the forward stay the same. With a
+    `constraint` every node's children are drawn from the tokens it allows after the node's path.
     """
-    return draft_eagle3_trees(drafter, [cache], steps, topk, ddd_threshold, [should_expand], frontier_runner)[0]
+    return draft_eagle3_trees(drafter, [cache], steps, topk, ddd_threshold, [should_expand], frontier_runner,
+                              [constraint])[0]
 
 
 @torch.no_grad()
@@ -76,6 +82,7 @@ def draft_eagle3_trees(
     ddd_threshold: float | None = None,
     should_expand: "list[ExpandRule | None] | None" = None,
     frontier_runner: "StaticDrafterFrontier | None" = None,
+    constraints: "list[DraftConstraint | None] | None" = None,
 ) -> list[Eagle3Draft]:
     """`draft_eagle3_tree` for several requests in lockstep: each drafting step runs ONE drafter
     forward over every still-expanding request's frontier (`Eagle3Drafter.forward_packed`), and
@@ -89,7 +96,8 @@ def draft_eagle3_trees(
     topk = min(topk, drafter.config.draft_vocab_size)
     # a static runner pads the last frontier to its width: room for the padded rows' keys too
     pad = 0 if frontier_runner is None else max(frontier_runner.width - topk, 0)
-    trees = [_TreeDraft(drafter, cache, steps, topk, pad) for cache in caches]
+    constraints = constraints if constraints is not None else [None] * len(caches)
+    trees = [_TreeDraft(drafter, cache, steps, topk, pad, c) for cache, c in zip(caches, constraints)]
     rules = should_expand if should_expand is not None else [None] * len(trees)
     for step in range(steps - 1):
         active = [t for t, rule in zip(trees, rules) if t.expands(ddd_threshold, rule)]
@@ -108,7 +116,13 @@ def draft_eagle3_trees(
         else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
             t = active[0]
             out = frontier_runner.run(t.kv, *t.inputs(), t.start + step, t.start + t.num_slots, t.mask())
-        ids, probs = _top_children(drafter, out.logits, topk)  # [1, sum F, topk]
+        logits, row = out.logits, 0
+        for t in active:  # a constrained request's rows: only the tokens its grammar allows
+            if t.constraint is not None:
+                logits = logits.clone() if logits is out.logits else logits
+                logits[:, row:row + t.width] = t.constrained(logits[:, row:row + t.width], t.f)
+            row += t.width
+        ids, probs = _top_children(drafter, logits, topk)  # [1, sum F, topk]
         if len(active) == 1:
             active[0].grow(ids, probs, out.hidden)
             continue
@@ -127,7 +141,8 @@ class _TreeDraft:
     `S - 1 + depth(v)`, and its key goes to the next free tree slot after the S committed keys.
     """
 
-    def __init__(self, drafter: "Eagle3Drafter", cache: "Eagle3Cache", steps: int, topk: int, pad: int):
+    def __init__(self, drafter: "Eagle3Drafter", cache: "Eagle3Cache", steps: int, topk: int, pad: int,
+                 constraint: DraftConstraint | None = None):
         if cache.last_logits is None:
             raise ValueError("the drafter cache is empty: call prefill()/extend() before draft_tree()")
         self.drafter, self.topk, self.start = drafter, topk, cache.num_tokens
@@ -136,8 +151,14 @@ class _TreeDraft:
         self.kv = cache.reserve(self.start + max_slots + pad, attn.num_kv_heads, attn.head_dim,
                                 cache.last_hidden.dtype, cache.last_hidden.device)
         device, capacity = self.kv.device, topk + max_slots * topk
-        ids, probs = _top_children(drafter, cache.last_logits[:, None], topk)  # [1, 1, topk]
+        self.constraint = constraint
         self.nodes = TreeBuffer(1, capacity, device)
+        self.alive: torch.Tensor | None = None  # [F] False: the constraint allows no draft token after the node
+        root_logits = cache.last_logits[:, None]  # [1, 1, V_draft]
+        if constraint is not None:
+            root_logits = self.constrained(root_logits, None)
+        ids, probs = _top_children(drafter, root_logits, topk)  # [1, 1, topk]
+        probs = self._alive_only(probs)
         self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
         self.node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
         self.node_hidden[0, :topk] = cache.last_hidden[0]
@@ -161,6 +182,19 @@ class _TreeDraft:
         self.f, self.width = f, f.numel()
         return not self.stopped
 
+    def constrained(self, logits: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits [1, F, V_draft] of frontier nodes f [F] (None: the root) with the tokens the
+        constraint forbids after each node's path banned (finite: no NaN where it allows none, e.g.
+        only eos, which the draft vocabulary may lack; those nodes' children get probability 0)."""
+        paths = [[]] if f is None else _paths(self.nodes, f.tolist())
+        allowed = self.constraint(paths)[:, self.drafter.draft_vocab_target_ids()].to(logits.device)  # [F, V_draft]
+        self.alive = allowed.any(-1)
+        return logits + allowed.float().sub_(1).mul_(1e30)[None]
+
+    def _alive_only(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [1, F, topk] of children, 0 under nodes the constraint allows nothing after."""
+        return probs if self.alive is None else probs * self.alive[None, :, None]
+
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden of the forward that proposed each frontier node [1, F, H], their tokens [1, F])."""
         return self.node_hidden.index_select(1, self.f), self.nodes.token_ids.index_select(1, self.f)
@@ -175,7 +209,7 @@ class _TreeDraft:
         """Add the frontier's top-k children (ids, probs [1, F, topk]; hidden [1, F, H] of this forward)."""
         n, F_ = self.nodes.num_nodes, self.width
         self.num_forwards += 1
-        self.frontier = self.nodes.grow(self.f[None], ids, probs, self.topk, dense=True)
+        self.frontier = self.nodes.grow(self.f[None], ids, self._alive_only(probs), self.topk, dense=True)
         self.masks.add_children(n, F_, self.topk, self.num_slots)
         self.node_hidden[0, n:n + F_ * self.topk].view(F_, self.topk, -1).copy_(hidden[0, :, None])
         self.num_slots += F_
@@ -183,6 +217,23 @@ class _TreeDraft:
     def result(self) -> Eagle3Draft:
         return Eagle3Draft(tree=self.nodes.tree(), node_hidden=self.node_hidden[:, :self.nodes.num_nodes],
                            num_forwards=self.num_forwards)
+
+
+def _paths(nodes: TreeBuffer, f: list[int]) -> list[list[int]]:
+    """The token paths (root's child first) ending at nodes f."""
+    return _paths_of(nodes.token_ids[0].tolist(), nodes.parents[0].tolist(), f)
+
+
+def _paths_of(tokens: list[int], parents: list[int], f: list[int]) -> list[list[int]]:
+    """The token paths ending at nodes f of a tree given as token and parent lists."""
+    paths = []
+    for v in f:
+        path = []
+        while v >= 0:
+            path.append(tokens[v])
+            v = parents[v]
+        paths.append(path[::-1])
+    return paths
 
 
 def _valid(frontier: torch.Tensor) -> torch.Tensor:
