@@ -130,6 +130,36 @@ def test_logit_bias_equals_the_reference_loop(tiny, policy):
         assert max(s.accepted_tokens for s in out.steps) >= 2
 
 
+def test_the_drafter_proposes_under_the_same_rules(tiny, monkeypatch):
+    """A token the logit bias bans is never drafted with nonzero probability (it was, without the
+    rules applied to the drafter), the output is the same either way, and acceptance does not fall."""
+    import trtllm_moespec.engine.engine as engine_module
+    from trtllm_moespec.models import eagle3_draft
+
+    llm = tiny["eagle3"]
+    ids = llm.encode([PROMPT])[0]
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    banned = plain[1]  # the first tree (after the prefill's token) drafts it first
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={banned: -100.0}, repetition_penalty=1.1)
+    drafted = []
+    draft = eagle3_draft.draft_eagle3_trees
+
+    def recording(*args, **kwargs):
+        outs = draft(*args, **kwargs)
+        tree = outs[0].tree
+        drafted.extend(s for t, s in zip(tree.token_ids[0].tolist(), tree.log_scores[0].exp().tolist()) if t == banned)
+        return outs
+
+    monkeypatch.setattr(eagle3_draft, "draft_eagle3_trees", recording)
+    guided = llm.generate([ids], params)[0]
+    assert max(drafted, default=0.0) < 1e-12  # never proposed, or only as a zero-probability top-k filler
+    drafted.clear()
+    monkeypatch.setattr(engine_module, "draft_constraint", lambda request: None)
+    free = llm.generate([ids], params)[0]
+    assert max(drafted) > 0.01 and guided.token_ids == free.token_ids and banned not in guided.token_ids
+    assert guided.stats.mean_accepted_tokens >= free.stats.mean_accepted_tokens
+
+
 @pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
 def test_stop_token_ids_and_min_tokens_equal_the_reference_loop(tiny, policy):
     """A stop token ends the output (kept, finish "stop"); with min_tokens it cannot be drawn before

@@ -112,9 +112,12 @@ def test_drafting_proposes_only_what_the_grammar_allows_and_is_accepted_more(tin
         tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
         scores = tree.log_scores[0].exp().tolist()  # the path's draft probability
         paths = eagle3_draft._paths_of(tokens, parents, list(range(len(tokens))))
-        allowed = constraint([p[:-1] for p in paths])
+        vocab = llm.engine.draft_source.drafter.draft_vocab_target_ids()
+        column = {t: j for j, t in enumerate(vocab.tolist())}
+        # the constraint on zero logits: 0 where the grammar allows a token after the path, -1e30 where not
+        allowed = constraint([p[:-1] for p in paths], torch.zeros(len(paths), len(vocab)), vocab) > -1e29
         for v, (path, score) in enumerate(zip(paths, scores)):  # (fillers past a banned token score ~0)
-            assert score < 1e-12 or allowed[v, path[-1]], (path, score)
+            assert score < 1e-12 or allowed[v, column[path[-1]]], (path, score)
         checked.append(len(tokens))
         return outs
 

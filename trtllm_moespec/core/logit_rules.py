@@ -121,11 +121,34 @@ class TokenHistory:
             self._penalize(out, layout, row)
         return out
 
+    def apply_draft(self, logits: torch.Tensor, vocab: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """The same rules on a drafter's logits [F, V_draft] (draft column j is target token vocab[j])
+        after each token path from the committed output: the drafter then proposes from a
+        distribution closer to the one the target verifies with (drafting never changes the output)."""
+        r, F = self.rules, logits.shape[0]
+        out = logits.float().clone()
+        if r.min_tokens > self.num_output and self.stop_ids.numel():
+            early = torch.tensor([self.num_output + len(p) < r.min_tokens for p in paths], device=out.device)
+            stop_cols = torch.isin(vocab, self.stop_ids)
+            out[:, stop_cols] = out[:, stop_cols].masked_fill(early[:, None], BANNED_LOGIT)
+        if self.bias is not None:
+            out += self.bias[vocab]
+        if r.presence == 0 and r.frequency == 0 and r.repetition == 1:
+            return out
+        extra = torch.zeros(F, self.counts.numel(), device=out.device)  # [F, V] path tokens' counts
+        rows = [i for i, p in enumerate(paths) for _ in p]
+        if rows:
+            tokens = torch.tensor([t for p in paths for t in p], device=out.device)
+            extra.index_put_((torch.tensor(rows, device=out.device), tokens), torch.ones(len(rows), device=out.device),
+                             accumulate=True)
+        extra = extra[:, vocab]
+        return self._penalty_ops(out, self.counts[vocab][None] + extra, self.seen[vocab][None] | (extra > 0))
+
     def _penalize(self, out: torch.Tensor, layout: TreeLayout | None, row: int) -> None:
         """The penalties, in place on out [T, V]. They change only the columns of tokens some position's
         context holds (the prompt's and output's, and each path's draft tokens): computed on those C
         columns alone, the same float ops as over the whole vocabulary, a fraction of the work."""
-        r, T = self.rules, out.shape[0]
+        T = out.shape[0]
         cols = self.seen_ids  # [C] sorted token ids
         if T > 1:
             path = layout.paths[row, :T, 1:]  # [T, D] positions of the nodes on each path (depth >= 1), -1 pad
@@ -137,10 +160,16 @@ class TokenHistory:
         if T > 1:
             extra = torch.zeros_like(sub).scatter_add_(1, torch.searchsorted(cols, tokens), on_path.float())
             counts, seen = counts + extra, seen | (extra > 0)  # [T, C]
+        out[:, cols] = self._penalty_ops(sub, counts, seen)
+
+    def _penalty_ops(self, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Repetition, frequency and presence penalties on logits [R, C], given each row's counts of
+        the C tokens in the output (and path) and whether the context holds them ([R or 1, C])."""
+        r = self.rules
         if r.repetition != 1:
-            sub = torch.where(seen, torch.where(sub > 0, sub / r.repetition, sub * r.repetition), sub)
+            logits = torch.where(seen, torch.where(logits > 0, logits / r.repetition, logits * r.repetition), logits)
         if r.frequency != 0:
-            sub = sub - r.frequency * counts
+            logits = logits - r.frequency * counts
         if r.presence != 0:
-            sub = sub - r.presence * (counts > 0).float()
-        out[:, cols] = sub
+            logits = logits - r.presence * (counts > 0).float()
+        return logits

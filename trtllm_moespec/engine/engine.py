@@ -324,8 +324,19 @@ class SpecEngine:
 
 
 def draft_constraint(request: Request):
-    """What the request's drafter may propose after a path (None: anything): its grammar's tokens."""
-    return None if request.grammar is None else request.grammar.allowed_after
+    """The request's logit rules and grammar for its drafter (None: it has neither): `(paths, logits
+    [F, V_draft], vocab [V_draft]) -> logits` after each token path, so the drafter proposes what the
+    target's processed distribution favours (the output does not depend on it)."""
+    rules = [rule for rule in (request.history, request.grammar) if rule is not None]
+    if not rules:
+        return None
+
+    def constrain(paths: list[list[int]], logits: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+        for rule in rules:
+            logits = rule.apply_draft(logits, vocab, paths)
+        return logits
+
+    return constrain
 
 
 def processed_logits(request: Request, logits: torch.Tensor, layout: TreeLayout | None) -> torch.Tensor:

@@ -159,6 +159,12 @@ class GrammarState:
                 self.matcher.rollback(accepted)
         return unpack_bitmask(bitmask, self.vocab_size)
 
+    def apply_draft(self, logits: torch.Tensor, vocab: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """A drafter's logits [F, V_draft] (draft column j is target token vocab[j]) with the tokens the
+        grammar forbids after each path banned."""
+        allowed = self.allowed_after(paths)[:, vocab.cpu()].to(logits.device)
+        return logits + allowed.float().sub_(1).mul_(-BANNED_LOGIT)
+
     def tree_masks(self, layout: TreeLayout | None, row: int, T: int) -> torch.Tensor:
         """[T, V] bool: the tokens allowed after each layout position (xgrammar's tree traversal)."""
         bitmask = self._xgr.allocate_token_bitmask(T, self.vocab_size)

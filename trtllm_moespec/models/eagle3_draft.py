@@ -44,9 +44,11 @@ class Eagle3Draft:
 
 
 ExpandRule = Callable[[DraftTree, torch.Tensor], bool]  # (tree so far, frontier node idx [F]) -> expand it?
-# (token paths after the committed output, one per row) -> [rows, V_target] bool: the tokens a request's
-# grammar allows next. Drafting then proposes only those (engine/structured.py); acceptance is unchanged.
-DraftConstraint = Callable[[list[list[int]]], torch.Tensor]
+# (token paths after the committed output, one per row; draft logits [rows, V_draft]; the target id of
+# each draft column [V_draft]) -> processed logits: a request's logit rules and grammar applied to its
+# drafter (engine.draft_constraint), so it proposes what the target will verify with. Acceptance is unchanged.
+DraftConstraint = Callable[[list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
+_DEAD = -1e29  # a row whose every logit is below this allows no token (banned logits are -1e30)
 
 
 @torch.no_grad()
@@ -183,13 +185,14 @@ class _TreeDraft:
         return not self.stopped
 
     def constrained(self, logits: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
-        """Draft logits [1, F, V_draft] of frontier nodes f [F] (None: the root) with the tokens the
-        constraint forbids after each node's path banned (finite: no NaN where it allows none, e.g.
-        only eos, which the draft vocabulary may lack; those nodes' children get probability 0)."""
+        """Draft logits [1, F, V_draft] of frontier nodes f [F] (None: the root) under the request's
+        rules after each node's path. Banned tokens get a finite logit: no NaN where a grammar allows
+        none of the draft vocabulary (e.g. only eos, which it may lack); such nodes' children get
+        probability 0."""
         paths = [[]] if f is None else _paths(self.nodes, f.tolist())
-        allowed = self.constraint(paths)[:, self.drafter.draft_vocab_target_ids()].to(logits.device)  # [F, V_draft]
-        self.alive = allowed.any(-1)
-        return logits + allowed.float().sub_(1).mul_(1e30)[None]
+        out = self.constraint(paths, logits[0], self.drafter.draft_vocab_target_ids())  # [F, V_draft]
+        self.alive = out.amax(-1) > _DEAD
+        return out[None]
 
     def _alive_only(self, probs: torch.Tensor) -> torch.Tensor:
         """probs [1, F, topk] of children, 0 under nodes the constraint allows nothing after."""
