@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 
 def make_request(llm: "LLM", ids: list[int], params: "SamplingParams", tokenizer_lock: threading.Lock) -> Request:
     """A checked engine request (ValueError on bad input) whose stop-string check, which runs on
-    the scheduler thread, takes `tokenizer_lock`: the tokenizer is shared with the caller's threads."""
-    request = llm.make_request(ids, params)
+    the scheduler thread, takes `tokenizer_lock`: the tokenizer is shared with the caller's threads
+    (so is it while a structured-output request builds its grammar, which reads the vocabulary)."""
+    with tokenizer_lock:
+        request = llm.make_request(ids, params)
     check = request.stop_check
     if check is not None:
         def locked_check(output_ids: list[int]) -> int | None:
