@@ -2,7 +2,8 @@
 greedy output on moespec-tiny equals transformers `generate` on the same GPU with CUDA graphs on
 and off, graphs-on output equals graphs-off output, and a verify replayed from its bucket's CUDA
 graph equals the eager verify forward, and a tree drafted through the drafter's frontier graph
-equals the eagerly drafted tree. NEVER RUN YET: this project has had no GPU machine."""
+equals the eagerly drafted tree; logit rules (on the device) stay lossless. NEVER RUN YET: this project has had
+no GPU machine."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl,
             assert source.extend_runner is not None and source.extend_runner.captures >= 1
             assert source.frontier_runner is not None, "tree-drafting capture failed and fell back to eager"
             assert source.frontier_runner.captures >= 1 and source.frontier_runner.replays > 0
+
+
+def test_cuda_logit_rules_and_bias_are_lossless():
+    """Penalties, a logit bias and min_tokens on CUDA (the history lives on the device): eagle3's
+    greedy output under them equals plain decoding's, and the bias's banned token never appears."""
+    params = dict(max_tokens=48, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.4)
+    outs = {}
+    for policy in ("ar", "eagle3"):
+        llm = LLM("moespec-tiny", policy=policy, device="cuda", override_profile=True)
+        ids = llm.encode([PROMPT])[0]
+        banned = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids[1]
+        out = llm.generate([ids], SamplingParams(**params, logit_bias={banned: -100.0}))[0]
+        assert banned not in out.token_ids
+        outs[policy] = out.token_ids
+    assert outs["eagle3"] == outs["ar"]
 
 
 @pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
