@@ -45,7 +45,7 @@ def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl,
 
 
 def test_cuda_logit_rules_and_bias_are_lossless():
-    """Penalties, a logit bias and min_tokens on CUDA (the history lives on the device): eagle3's
+    """Penalties and a logit bias on CUDA (the history lives on the device): eagle3's
     greedy output under them equals plain decoding's, and the bias's banned token never appears."""
     params = dict(max_tokens=48, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.4)
     outs = {}
