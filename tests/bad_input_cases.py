@@ -90,6 +90,8 @@ CASES: tuple[Case, ...] = (
     Case("penalty-out-of-range", "CLI", "`--presence-penalty 3`", "error naming the field and its range [-2, 2]"),
     Case("logit-rules-out-of-range", "API", "`SamplingParams(logit_bias={3: 101})`, `min_tokens=-1`, `min_p=1.5`, "
          "`stop_token_ids=[-2]`, `repetition_penalty=0`", "error naming the field at construction"),
+    Case("structured-bad-regex", "CLI", "`--regex '('` (or a schema file that is not JSON, a grammar that does not "
+         "parse)", "error naming the constraint and xgrammar's reason, before anything is generated"),
     Case("logit-bias-outside-vocab", "API", "`logit_bias={10**6: 1.0}` on a 4096-token model",
          "error naming the vocabulary size, before generating"),
 )

@@ -115,6 +115,8 @@ CLI_CASES = {
                      r"drafts .* = 300010000 nodes per step; the limit is 4096"),
     "dtype-int8": (["generate", "--dtype", "int8"], r"--dtype: invalid choice: 'int8'"),
     "max-tokens-zero": (["generate", "--max-tokens", "0"], r"--max-tokens: must be an integer >= 1, got 0"),
+    "structured-bad-regex": (["generate", "--regex", "("],
+                             r"cannot compile the regex constraint: Regex parsing error at position 2"),
     "penalty-out-of-range": (["generate", "--presence-penalty", "3"],
                              r"presence_penalty must be a number in \[-2, 2\], got 3\.0"),
     "threads-out-of-range": (["generate", "--threads", "0"], r"--threads: must be an integer >= 1, got 0"),

@@ -130,19 +130,30 @@ def _llm_from_args(args, ep=None):
                prefix_cache=getattr(args, "prefix_cache", 0))
 
 
-def read_prompt_file(path: str) -> str:
-    """The text of --prompt-file, with errors that name the file."""
+def read_prompt_file(path: str, flag: str = "--prompt-file") -> str:
+    """The text of a file named on the command line, with errors that name the flag and the file."""
     from pathlib import Path
 
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"--prompt-file {path} is a directory, not a text file")
+        raise ValueError(f"{flag} {path} is a directory, not a text file")
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise ValueError(f"{flag} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
-        raise ValueError(f"--prompt-file {path} cannot be read: {e.strerror or e}") from None
+        raise ValueError(f"{flag} {path} cannot be read: {e.strerror or e}") from None
+
+
+def _structured(args):
+    """--json-schema / --regex / --choice -> a StructuredOutput (None: free text)."""
+    from .engine.structured import StructuredOutput
+
+    schema = None if args.json_schema is None else read_prompt_file(args.json_schema, "--json-schema")
+    try:
+        return StructuredOutput.of(json_schema=schema, regex=args.regex, choice=args.choice)
+    except ValueError as e:
+        raise ValueError(f"--json-schema {args.json_schema}: {e}" if schema is not None else str(e)) from None
 
 
 def cmd_generate(args) -> int:
@@ -160,7 +171,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            min_p=args.min_p)
+                            min_p=args.min_p, structured=_structured(args))
     if ep > 1:
         from .parallel.run import run_expert_parallel
 
@@ -215,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; subtracted once per output token")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2]; subtracted per occurrence in the output")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="the output is JSON matching this schema (needs the [structured] extra)")
+    shape.add_argument("--regex", default=None, help="the output matches this regular expression")
+    shape.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--ep", type=_bounded_int(1), default=None,
                    help="expert parallelism over N ranks: run as `mpirun -n N moespec generate ... --ep N`")

@@ -16,6 +16,7 @@ the tests check that they agree.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,9 @@ class GrammarCompiler:
             if output.kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(_ebnf_string(s) for s in output.spec))
             return c.compile_grammar(output.spec)
-        except RuntimeError as e:  # xgrammar's parse errors
-            raise ValueError(f"cannot compile the {output.kind} constraint: {str(e).splitlines()[0]}") from None
+        except RuntimeError as e:  # xgrammar's parse errors, "[time] source.cc:line: message"
+            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).splitlines()[0])
+            raise ValueError(f"cannot compile the {output.kind} constraint: {message}") from None
 
     def matcher(self, output: StructuredOutput) -> "GrammarState":
         return GrammarState(self.compile(output), self.vocab_size)
