@@ -152,6 +152,7 @@ class StreamEvent:
     token_ids: list[int]
     text: str
     output: RequestOutput | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of token_ids, when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -327,7 +328,9 @@ class LLM:
         request = self.make_request(ids, params)
         text = TextStream(self._decode)
         for new in self.engine.run(request):
-            yield StreamEvent(list(new), text.push(request.output_ids))
+            n = len(request.output_ids)  # the step's tokens are final: its stop strings were applied
+            logprobs = () if request.logprobs is None else tuple(request.output_logprobs[n - len(new):n])
+            yield StreamEvent(list(new), text.push(request.output_ids), logprobs=logprobs)
         rest = text.finish(request.output_ids)
         yield StreamEvent([], rest, RequestOutput.of(request, text.sent))
 

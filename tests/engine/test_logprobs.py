@@ -150,3 +150,16 @@ def test_prompt_logprobs_in_a_batch_beside_a_prefix_cache():
 def test_bad_logprobs_are_refused(name, bad):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: bad})
+
+
+def test_streamed_events_carry_their_tokens_logprobs(tiny):
+    """LLM.stream: each event's logprobs are those of its tokens, and joined they are the output's,
+    also when a stop string cuts the last step."""
+    llm = tiny["eagle3"]
+    text = llm.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, stop=[text[10:13]])
+    events = list(llm.stream(PROMPT, params))
+    out = events[-1].output
+    assert out.finish_reason == "stop" and len(events) > 2
+    assert all([e.token_id for e in ev.logprobs] == ev.token_ids for ev in events)
+    assert [e for ev in events for e in ev.logprobs] == list(out.logprobs)
