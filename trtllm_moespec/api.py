@@ -93,8 +93,10 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput (StructuredOutput.of(...)), got "
                              f"{type(self.structured).__name__}")
-        if self.structured is not None and self.ignore_eos:
-            raise ValueError("structured output ends at the model's eos: it cannot be used with ignore_eos")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # a complete grammar allows only eos, which these would forbid: nothing could be drawn
+            raise ValueError("structured output ends at the model's eos: it cannot be used with ignore_eos or "
+                             "min_tokens")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
             if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -172,6 +172,7 @@ def test_sampled_tokens_follow_the_masked_distribution(tiny):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: SamplingParams(structured=StructuredOutput.of(json_object=True), ignore_eos=True), "ignore_eos"),
+    (lambda: SamplingParams(structured=StructuredOutput.of(json_object=True), min_tokens=5), "min_tokens"),
     (lambda: StructuredOutput.of(regex="a", choice=["b"]), "one structured output constraint"),
     (lambda: StructuredOutput.of(json_schema="{not json"), "not valid JSON"),
     (lambda: StructuredOutput.of(choice=[]), "non-empty list"),
