@@ -322,7 +322,6 @@ class SpecEngine:
         return request.finish_reason is not None
 
 
-
 def draft_constraint(request: Request):
     """The request's logit rules and grammar for its drafter (None: it has neither): `(paths, logits
     [F, V_draft], vocab [V_draft]) -> logits` after each token path, so the drafter proposes what the
