@@ -130,16 +130,19 @@ def test_drafting_proposes_only_what_the_grammar_allows_and_is_accepted_more(tin
     assert guided.stats.mean_accepted_tokens > 1.5 * free.stats.mean_accepted_tokens
 
 
-def test_structured_requests_in_a_batch_equal_alone(tiny):
-    llm = tiny["eagle3"]
+@pytest.mark.parametrize("policy, batch_policy", [("eagle3", None), ("joint", "joint-batch")])
+def test_structured_requests_in_a_batch_equal_alone(tiny, policy, batch_policy):
+    """eagle3's packed drafting, and joint-batch's selection over the batch (its guard off, so it speculates)."""
+    llm = tiny[policy]
     prompts = llm.encode([PROMPT, "import os\n", "class Stack:\n"])
     params = [SamplingParams(max_tokens=32, structured=CONSTRAINTS["json_schema"]),
               SamplingParams(max_tokens=32),  # free text beside them
               SamplingParams(max_tokens=32, structured=CONSTRAINTS["regex"])]
     alone = [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, params)]
     requests = [llm.make_request(p, s) for p, s in zip(prompts, params)]
-    BatchedEngine(llm.engine, max_batch_size=3).run_all(requests)
+    BatchedEngine(llm.engine, max_batch_size=3, batch_policy=batch_policy, goodput_guard=False).run_all(requests)
     assert [r.output_ids for r in requests] == alone
+    assert max(s.verified_tokens for r in requests for s in r.steps) > 0  # the batch speculated
 
 
 def test_sampled_tokens_follow_the_masked_distribution(tiny):
