@@ -164,6 +164,54 @@ def test_structured_output_through_response_format_and_guided_fields(tiny_llm):
     assert bad.status_code == 400 and "cannot compile" in bad.json()["error"]["message"]
 
 
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}"
+                  + TEMPLATE)
+
+
+def test_tool_calls_through_the_server(tiny_llm):
+    """A named tool choice returns that function's call (arguments valid under its schema, finish
+    "stop"); "required" one of the tools (finish "tool_calls"); the tools reach the prompt; "auto"
+    needs the server's parser, and with it the text is parsed (moespec-tiny writes no call)."""
+    pytest.importorskip("xgrammar")
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    clock = {"type": "function", "function": {"name": "time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    base = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 96, "temperature": 0,
+            "tools": [weather, clock]}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            post = lambda body: client.post("/v1/chat/completions", json=body)  # noqa: E731
+            return await asyncio.gather(
+                post({**base, "tool_choice": {"type": "function", "function": {"name": "weather"}}}),
+                post({**base, "tool_choice": "required"}), post({**base, "tool_choice": "auto"}),
+                post({**base, "tool_choice": "none"}), post({k: v for k, v in base.items() if k != "tools"}))
+
+    with ServerThread(tiny_llm, max_batch_size=4, chat_template=TOOLS_TEMPLATE) as server:
+        named, required, auto_refused, none, plain = (r.json() for r in _run(clients(server.url)))
+    choice = named["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    assert call["type"] == "function" and call["function"]["name"] == "weather" and call["id"].startswith("call_")
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    choice = required["choices"][0]
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert choice["finish_reason"] == "tool_calls" and call["name"] in ("weather", "time")
+    assert set(json.loads(call["arguments"])) == ({"city"} if call["name"] == "weather" else {"zone"})
+    assert auto_refused["error"]["param"] == "tool_choice" and "--tool-call-parser" in auto_refused["error"]["message"]
+    assert "tool_calls" not in none["choices"][0]["message"]
+    assert none["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the template listed the tools
+
+    async def auto(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await client.post("/v1/chat/completions", json={**base, "tool_choice": "auto"})
+
+    with ServerThread(tiny_llm, max_batch_size=1, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes") as server:
+        answer = _run(auto(server.url)).json()["choices"][0]
+    assert "tool_calls" not in answer["message"] and answer["finish_reason"] in ("stop", "length")
+
+
 def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
     """Completions (two prompts in one request, batched with a chat request) and chat: each token's
     logprob and alternatives equal `LLM.generate`'s alone, in OpenAI's two shapes."""

@@ -27,6 +27,7 @@ from .engine import make_request
 from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
                        parse_detokenize, parse_tokenize, usage)
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
+from .tools import Tools
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
 
@@ -45,6 +46,7 @@ class _Choice:
     counts_prompt: bool = True  # False for choices 2..n of a prompt: usage counts a prompt once
     echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
     prompt_only: bool = False  # echo with max_tokens=0: the request's one token (from the prefill) is not returned
+    tools: Tools | None = None  # chat with tools: its finished text is parsed for calls (tools.py)
 
     def output(self) -> tuple[list[int], list[TokenLogprob]]:
         """The returned output tokens and their logprobs (once finished)."""
@@ -54,11 +56,13 @@ class _Choice:
 class Server:
     """The app's state: the model (for tokenization and limits) and the scheduler."""
 
-    def __init__(self, llm: LLM, scheduler: Scheduler, model_name: str, chat_template: str | None = None):
+    def __init__(self, llm: LLM, scheduler: Scheduler, model_name: str, chat_template: str | None = None,
+                 tool_call_parser: str | None = None):
         self.llm = llm
         self.scheduler = scheduler
         self.model_name = model_name
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser  # how "auto" tool choice finds calls in the text (tools.PARSERS)
         self.created = now()
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe under concurrent encode
 
@@ -67,8 +71,12 @@ class Server:
         """Tokenize and check every prompt of a request (ValueError -> 400)."""
         if req.model is not None and req.model != self.model_name:
             raise LookupError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}'")
+        if req.tools is not None and req.tools.choice == "auto" and self.tool_call_parser is None:
+            raise BadRequest("tool_choice \"auto\" needs the server started with --tool-call-parser (hermes); "
+                             "\"required\" or a named function work without one", "tool_choice")
         with self._tokenizer_lock:
-            batch = self.llm.encode(list(req.prompts)) if req.prompts else [self._chat_ids(req.messages)]
+            batch = (self.llm.encode(list(req.prompts)) if req.prompts else
+                     [self._chat_ids(req.messages, req.tools.functions if req.tools else None)])
         choices = []
         for prompt, ids in zip(req.prompts or [None], batch):
             echo = (prompt if isinstance(prompt, str) else self.decode(ids)) if req.echo else None
@@ -79,17 +87,18 @@ class Server:
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 request = make_request(self.llm, ids, seeded, self._tokenizer_lock)
                 choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0,
-                                       echo=echo, prompt_only=req.max_tokens == 0))
+                                       echo=echo, prompt_only=req.max_tokens == 0,
+                                       tools=req.tools if req.tools is not None and req.tools.choice != "none" else None))
         return choices
 
-    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
+    def _chat_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         tokenizer = self.llm.tokenizer
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if tokenizer is None or not template:
             raise ValueError(f"the model '{self.model_name}' has no chat template; use /v1/completions or start the "
                              "server with --chat-template FILE")
         ids = tokenizer.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, tools=list(tools) if tools else None)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         if not ids:
             raise ValueError("the chat template produced an empty prompt")
@@ -261,8 +270,13 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             if c.echo is not None:
                 logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
         if chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+            message, finish = {"role": "assistant", "content": text}, c.finish_reason
+            if c.tools is not None and c.finish_reason != "error":
+                calls, message["content"] = c.tools.calls(text, server.tool_call_parser)
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish = "stop" if c.tools.named else "tool_calls"  # OpenAI: a forced call ends with "stop"
+            out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)

@@ -3,9 +3,9 @@
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
 send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
 `structured_outputs` and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`);
-OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (core/logit_rules.py) and
-`response_format` (engine/structured.py) are applied too. Fields that would change what is generated and
-that the engine does not implement (best_of, tools, ...) are
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (core/logit_rules.py),
+`response_format` (engine/structured.py) and chat's `tools` / `tool_choice` (tools.py) are applied too. Fields that would change what is generated and
+that the engine does not implement (best_of, suffix, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
 change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
@@ -15,6 +15,7 @@ prompt before the completion, and with `logprobs` the prompt tokens' logprobs to
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,11 +24,12 @@ from typing import Any
 from ..api import SamplingParams
 from ..core.logprobs import MAX_LOGPROBS
 from ..engine.structured import StructuredOutput
+from .tools import ToolError, Tools, parse_tools
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
     ("best_of", (None, 1)), ("suffix", (None, "")),
-    ("use_beam_search", (None, False)), ("tools", (None, [])), ("functions", (None, [])),
+    ("use_beam_search", (None, False)), ("functions", (None, [])),
 )
 # vLLM's structured-output fields -> StructuredOutput.of keywords
 _GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -60,6 +62,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
     n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
+    tools: Tools | None = None  # chat: the functions the model may call, and how (tools.py)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -83,12 +86,16 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if _bool(body, "echo"):
         raise BadRequest("'echo' is a /v1/completions field", "echo")
+    try:
+        tools = parse_tools(body)
+    except ToolError as e:
+        raise BadRequest(str(e), e.param) from None
     return _request(body, prompts=(), messages=_messages(body.get("messages")), max_tokens=max_tokens,
-                    default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None)
+                    default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None, tools=tools)
 
 
 def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logprobs: int | None,
-             echo: bool = False) -> GenerationRequest:
+             echo: bool = False, tools: Tools | None = None) -> GenerationRequest:
     for name, allowed in _UNSUPPORTED:
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
@@ -121,6 +128,14 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body))
+    calling = tools.constraint() if tools is not None else None
+    if calling is not None:
+        if rules["structured"] is not None:
+            raise BadRequest("a 'tool_choice' that requires a call constrains the output itself: drop "
+                             "response_format / structured_outputs", "tool_choice")
+        rules["structured"] = calling
+    if stream and tools is not None and tools.choice != "none":
+        raise BadRequest("'tools' with stream=true is not supported (tool calls are returned whole)", "stream")
     if rules["stop_token_ids"] is not None and not isinstance(rules["stop_token_ids"], list):
         raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     try:
@@ -133,7 +148,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if n > 1 and seed is not None and seed + n > MAX_SEED:
         raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
-                             bool((options or {}).get("include_usage", False)), n, echo)
+                             bool((options or {}).get("include_usage", False)), n, echo, tools)
 
 
 @dataclass(frozen=True)
@@ -273,10 +288,33 @@ def _messages(messages: Any) -> tuple[dict, ...]:
                        for p in content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls")
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if calls is not None:  # earlier calls and their results go to the chat template as given
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise BadRequest(f"messages[{i}].tool_calls must be a list of calls", "messages")
+            message["tool_calls"] = [_template_call(c) for c in calls]
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return tuple(out)
+
+
+def _template_call(call: dict) -> dict:
+    """An OpenAI tool call as chat templates read it: arguments as an object (OpenAI sends JSON text)."""
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 # ---------------------------------------------------------------------- response shapes

@@ -19,6 +19,7 @@ from ..api import LLM
 from .app import Server, build_app
 from .engine import ServingEngine, make_engine  # noqa: F401  (make_engine: re-exported)
 from .scheduler import Scheduler
+from .tools import PARSERS
 
 log = logging.getLogger("trtllm_moespec.serve")
 
@@ -28,13 +29,13 @@ class ServerThread:
 
     def __init__(self, llm: LLM, *, max_batch_size: int = 8, max_queue: int = 64, host: str = "127.0.0.1",
                  port: int = 0, model_name: str = "moespec", chat_template: str | None = None,
-                 engine: ServingEngine | str = "batched", log_level: str = "warning"):
+                 engine: ServingEngine | str = "batched", log_level: str = "warning", tool_call_parser: str | None = None):
         import uvicorn
 
         if isinstance(engine, str):
             engine = make_engine(llm, max_batch_size, engine)
         self.scheduler = Scheduler(engine, max_queue)
-        self.server = Server(llm, self.scheduler, model_name, chat_template)
+        self.server = Server(llm, self.scheduler, model_name, chat_template, tool_call_parser)
         self.app = build_app(self.server)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 503")
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: --model)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="how tool_choice \"auto\" finds calls in the text (hermes: <tool_call> blocks, Qwen's format); "
+                        "without it only \"required\" and named tool choices are served")
     p.add_argument("--prefix-cache", type=int, default=8,
                    help="keep the K/V of this many finished prompts for requests that begin alike (a chat's next "
                         "turn, a shared system prompt); one KV-cache slot each; 0 = off (default 8)")
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = ServerThread(llm, max_batch_size=args.max_batch_size, max_queue=args.max_queue, host=args.host,
                           port=args.port, model_name=name, chat_template=template, engine=kind,
-                          log_level=args.log_level)
+                          log_level=args.log_level, tool_call_parser=args.tool_call_parser)
     server.scheduler.start()
     log.info("serving %s (policy %s, %s engine, max batch %d) at %s", name, args.policy, kind, args.max_batch_size,
              server.url)

@@ -1,0 +1,78 @@
+"""Function calling's parsing and its constraints, without a model: tools and tool_choice checked
+with a 400 naming the field, the structured output each choice makes, hermes-style calls found in
+text, and a conversation's earlier calls handed to the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtllm_moespec.serve.protocol import BadRequest, parse_chat
+from trtllm_moespec.serve.tools import Tools, hermes_calls, parse_tools
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "time"}}
+CHAT = {"messages": [{"role": "user", "content": "weather in Paris?"}]}
+
+
+def test_tool_choices_make_their_constraints():
+    assert parse_tools(CHAT) is None
+    auto = parse_tools({"tools": [WEATHER, TIME]})
+    assert auto.choice == "auto" and auto.constraint() is None and auto.names == ["weather", "time"]
+    named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "weather"}}})
+    assert named.named and json.loads(named.constraint().spec) == WEATHER["function"]["parameters"]
+    required = json.loads(parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"}).constraint().spec)
+    assert [c["properties"]["name"]["const"] for c in required["anyOf"]] == ["weather", "time"]
+    assert required["anyOf"][1]["properties"]["arguments"] == {"type": "object"}  # no parameters: any object
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
+])
+def test_bad_tools_name_the_field(extra, param):
+    with pytest.raises(BadRequest) as e:
+        parse_chat({**CHAT, **extra})
+    assert e.value.param == param
+
+
+def test_calls_come_out_of_each_kind_of_output():
+    tools = (WEATHER, TIME)
+    named = Tools(tools, "weather", named=True)
+    assert [(c.name, json.loads(c.arguments)) for c in named.calls('{"city": "Paris"}', None)[0]] == \
+        [("weather", {"city": "Paris"})]
+    assert named.calls('{"city": "Pa', None) == ([], '{"city": "Pa')  # cut by max_tokens: content, no call
+    calls, content = Tools(tools, "required").calls('{"name": "time", "arguments": {}}', None)
+    assert [(c.name, c.arguments) for c in calls] == [("time", "{}")] and content is None
+    text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    calls, content = Tools(tools, "auto").calls(text, "hermes")
+    assert [c.name for c in calls] == ["weather"] and content == "Let me look."
+    assert Tools(tools, "auto").calls(text, None) == ([], text)  # no parser: plain text
+
+
+def test_hermes_keeps_blocks_it_cannot_use_in_the_content():
+    text = ('<tool_call>{"name": "weather", "arguments": {"city": "A"}}</tool_call> and '
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>')
+    calls, content = hermes_calls(text, ["weather"])
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "A"}]
+    assert content == 'and <tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>'
+    assert hermes_calls("", ["weather"]) == ([], None)
+
+
+def test_earlier_calls_and_results_reach_the_template():
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    parsed = parse_chat({"messages": messages, "tools": [WEATHER]}).messages
+    assert parsed[1]["content"] == "" and parsed[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert parsed[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}

@@ -1,0 +1,149 @@
+"""Function calling for chat completions: OpenAI's `tools` and `tool_choice`.
+
+The tools go to the chat template (which tells the model about them). What comes back depends on
+`tool_choice`:
+- a named function: the output is constrained to that function's parameters schema (structured
+  output), and is returned as its call's arguments;
+- "required": the output is constrained to `{"name": one of the tools, "arguments": its schema}`;
+- "auto": the model's text is parsed for calls by the server's `--tool-call-parser` (`hermes`:
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, the format of Qwen's templates);
+  the text around them stays the message's content;
+- "none": plain text.
+The constrained kinds need no parser and work with any model; both are lossless like every
+structured output (engine/structured.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.structured import StructuredOutput
+
+PARSERS = ("hermes",)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolError(ValueError):
+    """A bad `tools` / `tool_choice` (HTTP 400); `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+    def to_openai(self) -> dict:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's checked tools and tool choice ("none", "auto", "required" or a function name)."""
+
+    functions: tuple[dict, ...]  # OpenAI's {"type": "function", "function": {...}} entries, as given
+    choice: str
+    named: bool = False  # `choice` is a function's name
+
+    @property
+    def names(self) -> list[str]:
+        return [f["function"]["name"] for f in self.functions]
+
+    def schema(self, name: str) -> dict:
+        return self.functions[self.names.index(name)]["function"].get("parameters") or {"type": "object"}
+
+    def constraint(self) -> StructuredOutput | None:
+        """The structured output that makes the model call a tool (None: the text is free)."""
+        if self.named:
+            return StructuredOutput.of(json_schema=self.schema(self.choice))
+        if self.choice == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": self.schema(n)},
+                      "required": ["name", "arguments"]} for n in self.names]
+            return StructuredOutput.of(json_schema={"anyOf": calls})
+        return None
+
+    def calls(self, text: str, parser: str | None) -> tuple[list[ToolCall], str | None]:
+        """(the calls in a finished output, the content left beside them). An output that does not
+        parse (cut by max_tokens) is returned as content, with no calls."""
+        if self.named:
+            return ([ToolCall(self.choice, text)], None) if _is_json(text) else ([], text)
+        if self.choice == "required":
+            value = _json(text)
+            if isinstance(value, dict) and value.get("name") in self.names:
+                return [ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))], None
+            return [], text
+        if self.choice == "auto" and parser == "hermes":
+            return hermes_calls(text, self.names)
+        return [], text
+
+
+def hermes_calls(text: str, names: list[str]) -> tuple[list[ToolCall], str | None]:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks naming one of `names` -> calls;
+    the rest of the text (stripped; None when empty) is the content. A block that does not parse,
+    or names an unknown function, stays in the content."""
+    calls, kept, end = [], [], 0
+    for match in _HERMES.finditer(text):
+        value = _json(match.group(1))
+        if not (isinstance(value, dict) and value.get("name") in names):
+            continue
+        kept.append(text[end:match.start()])
+        end = match.end()
+        calls.append(ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)))
+    content = ("".join(kept) + text[end:]).strip()
+    return calls, content or None
+
+
+def parse_tools(body: dict) -> Tools | None:
+    """A chat body's `tools` and `tool_choice` (None: no tools and no choice)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                        "\"parameters\": {...}}}", "tools")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolError("'tools' names a function twice", "tools")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ToolError(f"'tool_choice' must name one of the tools ({', '.join(names)})", "tool_choice")
+        return Tools(tuple(tools), name, named=True)
+    if choice not in ("none", "auto", "required"):
+        raise ToolError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}", "tool_choice")
+    return Tools(tuple(tools), choice)
+
+
+def _is_function(tool: Any) -> bool:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    return (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str) and bool(fn["name"])
+            and isinstance(fn.get("parameters", {}), dict))
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
