@@ -183,18 +183,23 @@ def test_tool_calls_through_the_server(tiny_llm):
     async def clients(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             post = lambda body: client.post("/v1/chat/completions", json=body)  # noqa: E731
+            forced = {**base, "tool_choice": {"type": "function", "function": {"name": "weather"}}}
             return await asyncio.gather(
-                post({**base, "tool_choice": {"type": "function", "function": {"name": "weather"}}}),
-                post({**base, "tool_choice": "required"}), post({**base, "tool_choice": "auto"}),
-                post({**base, "tool_choice": "none"}), post({k: v for k, v in base.items() if k != "tools"}))
+                post(forced), post({**base, "tool_choice": "required"}), post({**base, "tool_choice": "auto"}),
+                post({**base, "tool_choice": "none"}), post({k: v for k, v in base.items() if k != "tools"}),
+                _chunks(client, "/v1/chat/completions", forced))
 
     with ServerThread(tiny_llm, max_batch_size=4, chat_template=TOOLS_TEMPLATE) as server:
-        named, required, auto_refused, none, plain = (r.json() for r in _run(clients(server.url)))
+        *responses, streamed = _run(clients(server.url))
+        named, required, auto_refused, none, plain = (r.json() for r in responses)
     choice = named["choices"][0]
     call = choice["message"]["tool_calls"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     assert call["type"] == "function" and call["function"]["name"] == "weather" and call["id"].startswith("call_")
     assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    last = [c for chunk in streamed for c in chunk["choices"]][-1]  # streamed: the call in the last chunk
+    assert last["finish_reason"] == "stop" and last["delta"]["tool_calls"][0]["index"] == 0
+    assert last["delta"]["tool_calls"][0]["function"] == call["function"]
     choice = required["choices"][0]
     call = choice["message"]["tool_calls"][0]["function"]
     assert choice["finish_reason"] == "tool_calls" and call["name"] in ("weather", "time")

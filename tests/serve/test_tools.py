@@ -37,7 +37,6 @@ def test_tool_choices_make_their_constraints():
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
 ])
 def test_bad_tools_name_the_field(extra, param):
     with pytest.raises(BadRequest) as e:

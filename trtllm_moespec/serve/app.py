@@ -270,12 +270,8 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             if c.echo is not None:
                 logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
         if chat:
-            message, finish = {"role": "assistant", "content": text}, c.finish_reason
-            if c.tools is not None and c.finish_reason != "error":
-                calls, message["content"] = c.tools.calls(text, server.tool_call_parser)
-                if calls:
-                    message["tool_calls"] = [call.to_openai() for call in calls]
-                    finish = "stop" if c.tools.named else "tool_calls"  # OpenAI: a forced call ends with "stop"
+            content, calls, finish = _tool_reply(server, c, text)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
@@ -283,6 +279,17 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
     completion = sum(len(c.output()[0]) for c in choices)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
+
+
+def _tool_reply(server: Server, c: _Choice, text: str) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool calls in OpenAI's shape, finish reason) of a finished chat choice: its text as
+    is without tools, else the calls found in it (tools.py) and the text beside them."""
+    if c.tools is None:
+        return text, [], c.finish_reason
+    calls, content = c.tools.calls(text, server.tool_call_parser)
+    if not calls:
+        return content, [], c.finish_reason
+    return content, [call.to_openai() for call in calls], "stop" if c.tools.named else "tool_calls"  # (OpenAI's)
 
 
 def _completion_logprobs(server: Server, ids: Sequence[int], entries: Sequence[TokenLogprob], start: int,
@@ -365,11 +372,18 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
             if isinstance(event, TokenEvent):
-                delta, logprobs = "" if c.prompt_only else c.text.push(c.ids), step_logprobs(c, event)
+                # a chat with tools is answered when it finishes: its calls are found in the whole text
+                held = c.prompt_only or c.tools is not None
+                delta, logprobs = "" if held else c.text.push(c.ids), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
                     delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
+            elif c.tools is not None:
+                content, calls, finish = _tool_reply(server, c, server.decode(c.output()[0]))
+                delta = {**({"content": content} if content else {}),
+                         **({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {})}
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
                 yield chunk([piece(c, c.text.finish(c.output()[0]), c.finish_reason)])
         if include_usage:

@@ -134,8 +134,6 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
             raise BadRequest("a 'tool_choice' that requires a call constrains the output itself: drop "
                              "response_format / structured_outputs", "tool_choice")
         rules["structured"] = calling
-    if stream and tools is not None and tools.choice != "none":
-        raise BadRequest("'tools' with stream=true is not supported (tool calls are returned whole)", "stream")
     if rules["stop_token_ids"] is not None and not isinstance(rules["stop_token_ids"], list):
         raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     try:
