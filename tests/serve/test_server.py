@@ -217,6 +217,34 @@ def test_tool_calls_through_the_server(tiny_llm):
     assert "tool_calls" not in answer["message"] and answer["finish_reason"] in ("stop", "length")
 
 
+def test_the_harmony_parser_answers_with_content_reasoning_and_calls(tiny_llm):
+    """`--tool-call-parser harmony` (GPT-OSS): the output decoded with its special tokens is read by its
+    channels, also streamed. moespec-tiny's tokenizer has no harmony tokens, so its raw decode is
+    replaced by what a GPT-OSS one gives for an answer and for a call."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    outputs = ["<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+               '<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>']
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+    async def clients(url, body):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/chat/completions", json=body),
+                                        _chunks(client, "/v1/chat/completions", body))
+
+    with ServerThread(tiny_llm, max_batch_size=2, chat_template=TEMPLATE, tool_call_parser="harmony") as server:
+        server.server.decode_raw = lambda ids: outputs[0]
+        whole, streamed = _run(clients(server.url, base))
+        server.server.decode_raw = lambda ids: outputs[1]
+        called, _ = _run(clients(server.url, {**base, "tools": [weather]}))
+    message = whole.json()["choices"][0]["message"]
+    assert message["content"] == "Done." and message["reasoning_content"] == "Think."
+    last = [c for chunk in streamed for c in chunk["choices"]][-1]
+    assert last["delta"] == {"content": "Done.", "reasoning_content": "Think."}
+    choice = called.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+
+
 def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):
     """Completions (two prompts in one request, batched with a chat request) and chat: each token's
     logprob and alternatives equal `LLM.generate`'s alone, in OpenAI's two shapes."""

@@ -75,3 +75,22 @@ def test_earlier_calls_and_results_reach_the_template():
     parsed = parse_chat({"messages": messages, "tools": [WEATHER]}).messages
     assert parsed[1]["content"] == "" and parsed[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert parsed[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_harmony_outputs_split_into_answer_reasoning_and_calls():
+    from trtllm_moespec.serve.tools import harmony_reply
+
+    answer = harmony_reply("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final"
+                           "<|message|>Hello!<|return|>", [])
+    assert (answer.content, answer.reasoning, answer.calls) == ("Hello!", "The user greets.", [])
+    for header in ("<|channel|>commentary to=functions.weather <|constrain|>json",  # both orders occur
+                   " to=functions.weather<|channel|>commentary json"):
+        call = harmony_reply(f"<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant{header}"
+                             '<|message|>{"city": "Oslo"}<|call|>', ["weather"])
+        assert call.content is None and call.reasoning == "Need it."
+        assert [(c.name, json.loads(c.arguments)) for c in call.calls] == [("weather", {"city": "Oslo"})]
+    unknown = harmony_reply('<|channel|>commentary to=functions.other<|message|>{}<|call|>', ["weather"])
+    assert unknown.calls == [] and unknown.content is None
+    cut = harmony_reply("<|channel|>analysis<|message|>still thinking", [])  # max_tokens ended the reasoning
+    assert (cut.content, cut.reasoning) == (None, "still thinking")
+    assert harmony_reply("no channels here", []).content == "no channels here"

@@ -27,7 +27,7 @@ from .engine import make_request
 from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
                        parse_detokenize, parse_tokenize, usage)
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
-from .tools import Tools
+from .tools import Tools, harmony_reply
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
 
@@ -132,6 +132,11 @@ class Server:
         if self.llm.tokenizer is None:
             raise BadRequest(f"the model '{self.model_name}' has no tokenizer")
         return self.llm.tokenizer
+
+    def decode_raw(self, ids: Sequence[int]) -> str:
+        """`decode` with the special tokens kept (harmony's channel markers are special tokens)."""
+        with self._tokenizer_lock:
+            return self.llm.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
@@ -270,8 +275,7 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             if c.echo is not None:
                 logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
         if chat:
-            content, calls, finish = _tool_reply(server, c, text)
-            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            message, finish = _chat_reply(server, c, text)
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
@@ -281,15 +285,27 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
 
 
-def _tool_reply(server: Server, c: _Choice, text: str) -> tuple[str | None, list[dict], str | None]:
-    """(content, tool calls in OpenAI's shape, finish reason) of a finished chat choice: its text as
-    is without tools, else the calls found in it (tools.py) and the text beside them."""
-    if c.tools is None:
-        return text, [], c.finish_reason
-    calls, content = c.tools.calls(text, server.tool_call_parser)
+def _chat_reply(server: Server, c: _Choice, text: str) -> tuple[dict, str | None]:
+    """(the assistant message, finish reason) of a finished chat choice. A call its tool choice forced
+    comes from the constrained text; with the harmony parser (GPT-OSS) the output is read by its
+    channels (answer, reasoning, calls); else calls are parsed from the text beside the content."""
+    tools, reasoning = c.tools, None
+    if tools is not None and (tools.named or tools.choice == "required"):
+        calls, content = tools.calls(text, None)
+    elif server.tool_call_parser == "harmony":
+        reply = harmony_reply(server.decode_raw(c.output()[0]), tools.names if tools is not None else [])
+        calls, content, reasoning = reply.calls, reply.content, reply.reasoning
+    elif tools is not None:
+        calls, content = tools.calls(text, server.tool_call_parser)
+    else:
+        calls, content = [], text
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if not calls:
-        return content, [], c.finish_reason
-    return content, [call.to_openai() for call in calls], "stop" if c.tools.named else "tool_calls"  # (OpenAI's)
+        return message, c.finish_reason
+    message["tool_calls"] = [call.to_openai() for call in calls]
+    return message, "stop" if tools is not None and tools.named else "tool_calls"  # (OpenAI's)
 
 
 def _completion_logprobs(server: Server, ids: Sequence[int], entries: Sequence[TokenLogprob], start: int,
@@ -372,17 +388,18 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
             if isinstance(event, TokenEvent):
-                # a chat with tools is answered when it finishes: its calls are found in the whole text
-                held = c.prompt_only or c.tools is not None
+                # a chat with tools (or read by harmony's channels) is answered when it finishes
+                held = c.prompt_only or (chat and (c.tools is not None or server.tool_call_parser == "harmony"))
                 delta, logprobs = "" if held else c.text.push(c.ids), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
                     delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
-            elif c.tools is not None:
-                content, calls, finish = _tool_reply(server, c, server.decode(c.output()[0]))
-                delta = {**({"content": content} if content else {}),
-                         **({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {})}
+            elif chat and (c.tools is not None or server.tool_call_parser == "harmony"):
+                message, finish = _chat_reply(server, c, server.decode(c.output()[0]))
+                delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                if "tool_calls" in delta:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
                 yield chunk([piece(c, c.text.finish(c.output()[0]), c.finish_reason)])

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the 'model' clients name (default: --model)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the tokenizer's)")
     p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
-                   help="how tool_choice \"auto\" finds calls in the text (hermes: <tool_call> blocks, Qwen's format); "
+                   help="how tool_choice \"auto\" finds calls in the text (hermes: <tool_call> blocks, Qwen's format; "
+                        "harmony: GPT-OSS's channels, which also split every chat answer from its reasoning); "
                         "without it only \"required\" and named tool choices are served")
     p.add_argument("--prefix-cache", type=int, default=8,
                    help="keep the K/V of this many finished prompts for requests that begin alike (a chat's next "

@@ -6,8 +6,8 @@ The tools go to the chat template (which tells the model about them). What comes
   output), and is returned as its call's arguments;
 - "required": the output is constrained to `{"name": one of the tools, "arguments": its schema}`;
 - "auto": the model's text is parsed for calls by the server's `--tool-call-parser` (`hermes`:
-  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, the format of Qwen's templates);
-  the text around them stays the message's content;
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, the format of Qwen's templates;
+  `harmony`: GPT-OSS's channels, see `harmony_reply`); the text around them stays the message's content;
 - "none": plain text.
 The constrained kinds need no parser and work with any model; both are lossless like every
 structured output (engine/structured.py).
@@ -23,8 +23,13 @@ from typing import Any
 
 from ..engine.structured import StructuredOutput
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "harmony")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# one harmony message of an assistant's output: a header up to <|message|>, then its text up to the
+# token that ends it (or the end of the output, when max_tokens cut it)
+_HARMONY = re.compile(r"(?:<\|start\|>assistant)?(?P<header>(?:(?!<\|message\|>).)*)<\|message\|>"
+                      r"(?P<body>.*?)(?:<\|end\|>|<\|return\|>|<\|call\|>|$)", re.DOTALL)
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 class ToolError(ValueError):
@@ -83,6 +88,40 @@ class Tools:
         if self.choice == "auto" and parser == "hermes":
             return hermes_calls(text, self.names)
         return [], text
+
+
+@dataclass(frozen=True)
+class HarmonyReply:
+    """A GPT-OSS output read by its channels: `final` is the answer, `analysis` the reasoning,
+    `commentary` to a function a call (without a recipient, user-visible text like `final`)."""
+
+    content: str | None
+    reasoning: str | None
+    calls: list[ToolCall]
+
+
+def harmony_reply(raw: str, names: list[str]) -> HarmonyReply:
+    """An assistant output in OpenAI's harmony format, decoded with its special tokens, after the
+    template's `<|start|>assistant`: `<|channel|>analysis<|message|>...<|end|><|start|>assistant
+    <|channel|>final<|message|>...<|return|>`, or a call, `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>{...}<|call|>` (the recipient may also precede the channel). Text
+    with no harmony message is the content as it is; a call to an unknown function is dropped."""
+    content, reasoning, calls, found = [], [], [], False
+    for match in _HARMONY.finditer(raw):
+        found = True
+        header, body = match.group("header"), match.group("body")
+        channel = re.search(r"<\|channel\|>(\w+)", header)
+        recipient = _RECIPIENT.search(header)
+        if recipient is not None:
+            if recipient.group(1) in names:
+                calls.append(ToolCall(recipient.group(1), body.strip()))
+        elif channel is not None and channel.group(1) == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)
+    if not found:
+        return HarmonyReply(raw or None, None, [])
+    return HarmonyReply("".join(content) or None, "".join(reasoning) or None, calls)
 
 
 def hermes_calls(text: str, names: list[str]) -> tuple[list[ToolCall], str | None]:
