@@ -219,12 +219,21 @@ def test_tool_calls_through_the_server(tiny_llm):
 
 def test_the_harmony_parser_answers_with_content_reasoning_and_calls(tiny_llm):
     """`--tool-call-parser harmony` (GPT-OSS): the output decoded with its special tokens is read by its
-    channels, also streamed. moespec-tiny's tokenizer has no harmony tokens, so its raw decode is
-    replaced by what a GPT-OSS one gives for an answer and for a call."""
+    channels; streamed, answer and reasoning arrive as they grow. moespec-tiny's tokenizer has no
+    harmony tokens, so its raw decode is replaced by what a GPT-OSS one gives, piece by piece (a
+    marker is one token, as there)."""
+    import re
+
     weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    outputs = ["<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+    outputs = ["<|channel|>analysis<|message|>Think it over.<|end|><|start|>assistant<|channel|>final"
+               "<|message|>Done, thanks.<|return|>",
                '<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>']
-    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    def growing(output):
+        pieces = [p for part in re.split(r"(<\|[a-z]+\|>)", output) if part
+                  for p in ([part] if part.startswith("<|") else list(part))]
+        return lambda ids: "".join(pieces[:2 * len(ids)])  # two pieces per output token
 
     async def clients(url, body):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -232,17 +241,22 @@ def test_the_harmony_parser_answers_with_content_reasoning_and_calls(tiny_llm):
                                         _chunks(client, "/v1/chat/completions", body))
 
     with ServerThread(tiny_llm, max_batch_size=2, chat_template=TEMPLATE, tool_call_parser="harmony") as server:
-        server.server.decode_raw = lambda ids: outputs[0]
+        server.server.decode_raw = growing(outputs[0])
         whole, streamed = _run(clients(server.url, base))
-        server.server.decode_raw = lambda ids: outputs[1]
-        called, _ = _run(clients(server.url, {**base, "tools": [weather]}))
+        server.server.decode_raw = growing(outputs[1])
+        called, called_streamed = _run(clients(server.url, {**base, "tools": [weather]}))
     message = whole.json()["choices"][0]["message"]
-    assert message["content"] == "Done." and message["reasoning_content"] == "Think."
-    last = [c for chunk in streamed for c in chunk["choices"]][-1]
-    assert last["delta"] == {"content": "Done.", "reasoning_content": "Think."}
+    assert message["content"] == "Done, thanks." and message["reasoning_content"] == "Think it over."
+    deltas = [c["delta"] for chunk in streamed for c in chunk["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Think it over."
+    assert "".join(d.get("content", "") for d in deltas) == "Done, thanks."
+    assert sum("content" in d for d in deltas[1:]) >= 2  # streamed as it grew, not in one piece
     choice = called.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    last = [c for chunk in called_streamed for c in chunk["choices"]][-1]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["tool_calls"][0]["function"]["name"] == "weather"
+    assert not any(d.get("content") for c in called_streamed for d in [x["delta"] for x in c["choices"]])
 
 
 def test_logprobs_are_the_single_requests_and_shaped_as_openai(tiny_llm):

@@ -27,7 +27,7 @@ from .engine import make_request
 from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
                        parse_detokenize, parse_tokenize, usage)
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
-from .tools import Tools, harmony_reply
+from .tools import HarmonyStream, Tools, harmony_reply
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
 
@@ -355,6 +355,9 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     non-streamed response's, as their texts do."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     offsets = {c.index: IncrementalText(server.decode) for c in choices}  # text_offset of completion tokens
+    # harmony (GPT-OSS): answer and reasoning stream as their channels grow; other tool parsers need the whole text
+    harmony = {c.index: HarmonyStream(server.decode_raw) for c in choices} if (
+        chat and server.tool_call_parser == "harmony") else {}
 
     def chunk(choice_list: list[dict], **extra) -> str:
         return _sse({"id": rid, "object": kind, "created": created, "model": server.model_name,
@@ -387,19 +390,26 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
             if c.error is not None:
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
-            if isinstance(event, TokenEvent):
-                # a chat with tools (or read by harmony's channels) is answered when it finishes
-                held = c.prompt_only or (chat and (c.tools is not None or server.tool_call_parser == "harmony"))
+            if isinstance(event, TokenEvent) and c.index in harmony:
+                delta, logprobs = harmony[c.index].push(c.ids), step_logprobs(c, event)
+                if delta or logprobs:
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            elif isinstance(event, TokenEvent):
+                # a chat whose tool calls a parser finds in the text is answered when it finishes
+                held = c.prompt_only or (chat and c.tools is not None)
                 delta, logprobs = "" if held else c.text.push(c.ids), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
                     delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
-            elif chat and (c.tools is not None or server.tool_call_parser == "harmony"):
+            elif chat and (c.tools is not None or c.index in harmony):
                 message, finish = _chat_reply(server, c, server.decode(c.output()[0]))
-                delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-                if "tool_calls" in delta:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+                if c.index in harmony:  # what the channels had not yet sent
+                    delta = harmony[c.index].finish(message)
+                else:
+                    delta = {k: v for k, v in message.items() if k in ("content", "reasoning_content") and v}
+                if message.get("tool_calls"):
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
                 yield chunk([piece(c, c.text.finish(c.output()[0]), c.finish_reason)])

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..engine.structured import StructuredOutput
 
@@ -100,12 +100,13 @@ class HarmonyReply:
     calls: list[ToolCall]
 
 
-def harmony_reply(raw: str, names: list[str]) -> HarmonyReply:
+def harmony_reply(raw: str, names: list[str], partial: bool = False) -> HarmonyReply:
     """An assistant output in OpenAI's harmony format, decoded with its special tokens, after the
     template's `<|start|>assistant`: `<|channel|>analysis<|message|>...<|end|><|start|>assistant
     <|channel|>final<|message|>...<|return|>`, or a call, `<|channel|>commentary to=functions.NAME
     <|constrain|>json<|message|>{...}<|call|>` (the recipient may also precede the channel). Text
-    with no harmony message is the content as it is; a call to an unknown function is dropped."""
+    with no harmony message is the content as it is (`partial`, an output still growing: unless it
+    holds a harmony marker, the start of a message header); a call to an unknown function is dropped."""
     content, reasoning, calls, found = [], [], [], False
     for match in _HARMONY.finditer(raw):
         found = True
@@ -120,8 +121,33 @@ def harmony_reply(raw: str, names: list[str]) -> HarmonyReply:
         else:
             content.append(body)
     if not found:
-        return HarmonyReply(raw or None, None, [])
+        return HarmonyReply(None if partial and "<|" in raw else raw or None, None, [])
     return HarmonyReply("".join(content) or None, "".join(reasoning) or None, calls)
+
+
+class HarmonyStream:
+    """A harmony output's answer and reasoning as deltas while it grows (its calls wait for the end,
+    when the whole text is read): `push` after each step, `finish` with the final message. Each push
+    decodes the whole output (with its special tokens): exact, at ~0.15 ms per 1000 tokens on this CPU."""
+
+    def __init__(self, decode_raw: Callable[[Sequence[int]], str]):
+        self.decode_raw = decode_raw
+        self.sent = {"content": "", "reasoning_content": ""}
+
+    def push(self, output_ids: Sequence[int]) -> dict:
+        reply = harmony_reply(self.decode_raw(output_ids), [], partial=True)
+        # a trailing U+FFFD is a character whose bytes are still to come
+        return self._deltas((reply.content or "").rstrip("\ufffd"), (reply.reasoning or "").rstrip("\ufffd"))
+
+    def finish(self, message: dict) -> dict:
+        return self._deltas(message.get("content") or "", message.get("reasoning_content") or "")
+
+    def _deltas(self, content: str, reasoning: str) -> dict:
+        deltas = {}
+        for key, value in (("content", content), ("reasoning_content", reasoning)):
+            if len(value) > len(self.sent[key]) and value.startswith(self.sent[key]):
+                deltas[key], self.sent[key] = value[len(self.sent[key]):], value
+        return deltas
 
 
 def hermes_calls(text: str, names: list[str]) -> tuple[list[ToolCall], str | None]:
