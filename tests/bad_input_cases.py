@@ -27,6 +27,9 @@ CASES: tuple[Case, ...] = (
          "the finished report is kept, the partial one goes to `NAME.partial.json`, exit 130, no traceback"),
     Case("bench-abort-keeps-report", "bench", "a T=0 mismatch abort with `--json`/`--markdown` naming existing files",
          "existing files kept, the aborted report goes to `NAME.partial.EXT`"),
+    Case("stop-inside-token", "API", "a stop string that begins inside a token (`stop=[\":\"]`, the model emits the token `\"):\"`)",
+         "the text ends where the stop string begins, `)` kept; the token stays in the output (was: the whole "
+         "token and its `)` dropped)"),
     Case("stream-utf8", "API", "streaming text whose multi-byte characters span tokens",
          "incomplete characters are held back: no U+FFFD the final text lacks; joined chunks == final text"),
     # --- crashes and tracebacks

@@ -1,7 +1,8 @@
 """Incremental detokenization (`trtllm_moespec/detokenize.py`) on the real moespec-tiny byte-level
 tokenizer and on a SentencePiece-style decode: the incremental text equals the full decode after every
 token, for real text and for random token sequences (partial and invalid UTF-8 included), after a cut,
-and the stop-string check cuts where the full-decode rule cuts."""
+and the stop-string check cuts where the full-decode rule cuts (OpenAI's: tokens through the
+one that completed the stop string, text before it)."""
 
 from __future__ import annotations
 
@@ -89,29 +90,60 @@ def test_stream_deltas_join_to_the_final_text(decode):
     assert "".join(chunks) == decode(ids) and not any("\ufffd" in c for c in chunks)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**32 - 1))
-def test_the_stop_check_cuts_where_the_full_decode_rule_cuts(decode, seed):
+def _reference_cut(decode, ids: list[int], stop: list[str], keep: bool) -> tuple[int, str] | None:
+    """The rule from whole decodes: the first token count whose text holds a stop string, and that
+    text up to the earliest such string's start (its end with `keep`)."""
+    for n in range(1, len(ids) + 1):
+        text = decode(ids[:n])
+        found = [(text.find(s), -len(s) if keep else 0, s) for s in stop if s in text]
+        if found:
+            begin, _, s = min(found, key=lambda f: (f[0], len(f[2])))
+            return n, text[:begin + len(s)] if keep else text[:begin]
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_the_stop_check_cuts_where_the_full_decode_rule_cuts(decode, seed, keep):
     """The engine calls the check after every step with the grown output: the first call that finds a
-    stop string returns the length the full-decode rule gives (the longest prefix holding none)."""
+    stop string keeps the tokens through the one that completed it and cuts their text where the
+    stop string begins (ends, with include_stop_str_in_output), as whole decodes give."""
     decode, tokenizer = decode
     rng = np.random.default_rng(seed)
-    words = ["def", " f", "(x)", ":\n", " return", " x", " +", " 1", "🙂", " é", "\n"]
+    words = ["def", " f", "(x)", ":\n", " return", " x", " +", " 1", "🙂", " é", "\n", ".\n\n", "x."]
     text = "".join(rng.choice(words, size=30))
     ids = tokenizer.encode(text, add_special_tokens=False)
-    stop = [str(rng.choice([" return", "x +", "🙂", ":\n ", "zzz"]))]
-    check = stop_string_check(decode, stop)
+    stop = [str(s) for s in rng.choice([" return", "x +", "🙂", ":\n ", "zzz", "\n", ".", "\n\n"],
+                                       size=int(rng.integers(1, 3)))]
+    check = stop_string_check(decode, stop, keep)
     prev = n = 0
     cut = None
     while n < len(ids) and cut is None:
         prev, n = n, min(len(ids), n + int(rng.integers(1, 4)))  # a step commits 1-3 tokens
         cut = check(ids[:n])
-    first = next((k for k in range(1, len(ids) + 1) if any(s in decode(ids[:k]) for s in stop)), None)
-    if first is None:
+    want = _reference_cut(decode, ids, stop, keep)
+    if want is None:
         assert cut is None
-    else:
-        assert cut is not None and prev < first <= n  # found by the step that completed it
-        want = n
-        while want > 0 and any(s in decode(ids[:want]) for s in stop):
-            want -= 1
-        assert cut == want
+        return
+    assert cut is not None and prev < cut.num_tokens <= n  # found by the step that completed it
+    text = decode(ids[:cut.num_tokens])
+    assert (cut.num_tokens, text[:len(text) - cut.trim]) == want
+
+
+def test_a_stop_string_inside_a_token_cuts_the_text_not_the_token(decode):
+    """BPE merges a stop string with its neighbours ("):" is one token here): the token stays in the
+    output, and so does its text before the stop string (the old rule dropped the ")")."""
+    decode, tokenizer = decode
+    ids = tokenizer.encode("def foo(a, b):\n    return a", add_special_tokens=False)
+    merged = next(i for i, t in enumerate(ids) if ":" in decode([t]))
+    assert decode([ids[merged]]) != ":", "the stop string must share its token with other text"
+    cut = stop_string_check(decode, [":"])(ids)
+    assert cut.num_tokens == merged + 1
+    text = decode(ids[:cut.num_tokens])
+    assert text[:len(text) - cut.trim] == "def foo(a, b)"
+    stream = TextStream(decode, [":"])
+    chunks = [stream.push(ids[:n]) for n in range(1, cut.num_tokens)]
+    chunks += [stream.push(ids[:cut.num_tokens], cut.trim), stream.finish(ids[:cut.num_tokens], cut.trim)]
+    assert "".join(chunks) == "def foo(a, b)"
+    kept = stop_string_check(decode, [":"], keep_stop=True)(ids)
+    assert kept.num_tokens == cut.num_tokens and text[:len(text) - kept.trim] == "def foo(a, b):"

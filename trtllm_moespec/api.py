@@ -49,7 +49,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None  # per-request generator seed; None = nondeterministic
-    stop: tuple[str, ...] | str | None = None  # stop strings (excluded from the output)
+    # Stop strings: the output's tokens end with the one that completed a stop string, its text where the
+    # stop string begins (OpenAI's and vLLM's rule), or where it ends with include_stop_str_in_output.
+    stop: tuple[str, ...] | str | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     # Report each output token's logprob under the target (raw logits: before temperature, top-k and top-p)
     # and this many most likely alternatives (0: none); None: off. RequestOutput.logprobs holds them.
@@ -88,6 +91,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.logit_bias, dict):  # a hashable, ordered form (and the dict's keys checked as ints)
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items(), key=lambda kv: str(kv[0]))))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -139,7 +145,7 @@ class RequestOutput:
 
     @staticmethod
     def of(request: Request, text: str) -> "RequestOutput":
-        """The output of a finished engine request whose tokens decode to `text`."""
+        """The output of a finished engine request whose text (a stop string's cut applied) is `text`."""
         return RequestOutput(list(request.prompt_ids), list(request.output_ids), text, request.finish_reason or "length",
                              request.stats(), tuple(request.steps),
                              None if request.logprobs is None else tuple(request.output_logprobs),
@@ -328,12 +334,12 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         request = self.make_request(ids, params)
-        text = TextStream(self._decode)
+        text = TextStream(self._decode, params.stop)
         for new in self.engine.run(request):
             n = len(request.output_ids)  # the step's tokens are final: its stop strings were applied
             logprobs = () if request.logprobs is None else tuple(request.output_logprobs[n - len(new):n])
-            yield StreamEvent(list(new), text.push(request.output_ids), logprobs=logprobs)
-        rest = text.finish(request.output_ids)
+            yield StreamEvent(list(new), text.push(request.output_ids, request.stop_trim), logprobs=logprobs)
+        rest = text.finish(request.output_ids, request.stop_trim)
         yield StreamEvent([], rest, RequestOutput.of(request, text.sent))
 
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
@@ -368,7 +374,7 @@ class LLM:
             return None
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        return stop_string_check(self._decode, params.stop)
+        return stop_string_check(self._decode, params.stop, params.include_stop_str_in_output)
 
     def encode(self, prompts) -> list[list[int]]:
         """Prompts (str or token ids, one or many) -> checked token-id lists."""

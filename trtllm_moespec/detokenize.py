@@ -8,6 +8,7 @@ server) turns the text into deltas that never need taking back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
@@ -63,7 +64,8 @@ class TextStream:
     UTF-8 character is still to come) and, when the request has stop strings, for the last
     `max(len(stop)) - 1` characters (they may turn out to begin a stop string, which the engine then
     cuts). `finish` sends the rest of the final text, so the concatenated deltas equal the
-    non-streamed completion.
+    non-streamed completion. `trim` (a request's `stop_trim`, set when a stop string ended it) is the
+    characters cut off the end of the final tokens' text.
     """
 
     def __init__(self, decode: Decode, stop: Sequence[str] | None = None):
@@ -72,9 +74,9 @@ class TextStream:
         self.hold = max((len(s) for s in stop), default=1) - 1 if stop else 0
         self.sent = ""
 
-    def push(self, output_ids: Sequence[int]) -> str:
+    def push(self, output_ids: Sequence[int], trim: int = 0) -> str:
         """The new text safe to send, given all output tokens so far."""
-        text = self._text.text(output_ids)
+        text = cut_text(self._text.text(output_ids), trim)
         end = len(text) - self.hold
         while end > len(self.sent) and text[end - 1] == "\ufffd":
             end -= 1
@@ -83,24 +85,42 @@ class TextStream:
         delta, self.sent = text[len(self.sent):end], text[:end]
         return delta
 
-    def finish(self, output_ids: Sequence[int]) -> str:
+    def finish(self, output_ids: Sequence[int], trim: int = 0) -> str:
         """The rest of the final text (after the engine applied stop strings)."""
-        text = self.decode(output_ids)
+        text = cut_text(self.decode(output_ids), trim)
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = text
         return delta
 
 
-def stop_string_check(decode: Decode, stop: Sequence[str]) -> Callable[[list[int]], int | None]:
+def cut_text(text: str, trim: int) -> str:
+    """`text` without its last `trim` characters (what a stop string cut off)."""
+    return text[:len(text) - trim] if trim > 0 else text
+
+
+@dataclass(frozen=True)
+class StopCut:
+    """Where a stop string ends an output, as OpenAI and vLLM end it: the tokens go up to and including
+    the one that completed the stop string, the text up to where the stop string begins (or, when the
+    request keeps it, where it ends). A token's text may run past either point (BPE merges ".\n" into
+    one token): `trim` is the characters of decode(output_ids[:num_tokens]) after that point."""
+
+    num_tokens: int
+    trim: int
+
+
+def stop_string_check(decode: Decode, stop: Sequence[str], keep_stop: bool = False
+                      ) -> Callable[[list[int]], StopCut | None]:
     """A request's stop-string check for the engine: called with the output after every step, it
-    returns the length to cut the output to when a stop string appeared (the output then ends
-    before it), else None. Only the text the step added, plus the characters a stop string could
-    share with what came before, is searched."""
+    returns where to cut the output when a stop string appeared (the first one to appear; of those,
+    the one that begins first), else None. Only the text the step added, plus the characters a stop
+    string could share with what came before, is searched. `keep_stop`: the text keeps the stop
+    string (vLLM's include_stop_str_in_output)."""
     text = IncrementalText(decode)
     longest = max(len(s) for s in stop)
     checked = 0  # text length already known to hold no stop string
 
-    def check(output_ids: list[int]) -> int | None:
+    def check(output_ids: list[int]) -> StopCut | None:
         nonlocal checked
         full = text.text(output_ids)
         start = max(0, min(checked, len(full)) - longest + 1)
@@ -108,9 +128,11 @@ def stop_string_check(decode: Decode, stop: Sequence[str]) -> Callable[[list[int
         checked = len(full.rstrip("\ufffd"))
         if not any(s in full[start:] for s in stop):
             return None
-        n = len(output_ids)  # the shortest output that still holds one: cut just before its last token
-        while n > 0 and any(s in decode(output_ids[:n]) for s in stop):
+        n = len(output_ids)  # the shortest output that holds one: its last token completed it
+        while n > 1 and any(s in decode(output_ids[:n - 1]) for s in stop):
             n -= 1
-        return n
+        cut = decode(output_ids[:n])
+        begin, length = min((cut.find(s), len(s)) for s in stop if s in cut)
+        return StopCut(n, len(cut) - begin - (length if keep_stop else 0))
 
     return check

@@ -184,14 +184,30 @@ def test_sampling_params_and_prompts_name_the_bad_field(checkpoints):
         LLM(str(target), policy="ar", device="tpu")
 
 
+def test_a_stop_string_sharing_a_token_keeps_the_text_before_it(tiny_ar):
+    """(case stop-inside-token) A stop string that begins inside a token (BPE merges "):" into one):
+    the text ends where it begins and the token stays in the output, as OpenAI and vLLM end it."""
+    from trtllm_moespec import SamplingParams
+
+    full = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=16, temperature=0.0))[0]
+    pieces = [tiny_ar.tokenizer.decode([t]) for t in full.token_ids]
+    # (token i, offset j in it, char): the char's first occurrence in the text is inside token i, not at its start
+    i, j, stop = next((i, j, c) for i, piece in enumerate(pieces) for j, c in enumerate(piece)
+                      if j > 0 and not c.isspace() and c not in full.text[:len("".join(pieces[:i])) + j])
+    out = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))[0]
+    assert out.text == "".join(pieces[:i]) + pieces[i][:j] and out.token_ids == full.token_ids[:i + 1]
+    assert out.finish_reason == "stop"
+
+
 def test_a_stop_string_completed_by_the_last_token_still_stops(tiny_ar):
     """A stop string completed by the token that also reaches max_tokens (or precedes an eos in the
-    same step) ends the output before it; the check used to be skipped when max_tokens ended the step."""
+    same step) still ends the output (finish "stop", the text before it, the tokens through it); the
+    check used to be skipped when max_tokens ended the step."""
     from trtllm_moespec import SamplingParams
 
     full = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0))[0]
     stop = full.text.rstrip()[-3:]
     assert stop and full.text.count(stop) == 1, "pick a prompt whose 12-token greedy tail is unique"
     out = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[0]
-    assert out.finish_reason == "stop" and stop not in out.text
-    assert full.text.startswith(out.text) and len(out.token_ids) < len(full.token_ids)
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.index(stop)]
+    assert out.token_ids == full.token_ids

@@ -311,7 +311,8 @@ def test_streamed_logprobs_add_up_to_the_non_streamed_response(tiny_llm):
     assert len(parts) > 1  # logprobs came step by step
     want = whole.json()["choices"][0]
     cut = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop]))[0]
-    assert want["finish_reason"] == "stop" and want["text"] == cut.text and len(cut.token_ids) < MAX_TOKENS // 2
+    assert want["finish_reason"] == "stop" and want["text"] == cut.text == text[:text.index(stop)]
+    assert len(cut.token_ids) < MAX_TOKENS
     joined = {key: [x for p in parts for x in p[key]] for key in parts[0]}
     # logprobs to float rounding: the two requests ran in different batches
     assert joined["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
@@ -323,6 +324,43 @@ def test_streamed_logprobs_add_up_to_the_non_streamed_response(tiny_llm):
     assert [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in content] == \
         [(c["token"], [t["token"] for t in c["top_logprobs"]]) for c in want]
     assert [c["logprob"] for c in content] == pytest.approx([c["logprob"] for c in want], abs=1e-4)
+
+
+def test_a_stop_string_beginning_inside_a_token_ends_the_text_there(tiny_llm):
+    """OpenAI's rule, streamed and not: the text ends where the stop string begins, in the middle of a
+    token here, and the tokens (usage) go through the one that completed it; with
+    include_stop_str_in_output the text keeps it. `LLM.generate` and `LLM.stream` give the same."""
+    full = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    pieces = [tiny_llm.tokenizer.decode([t]) for t in full.token_ids]
+    # a stop string from the middle of token i into token i + 1, found nowhere earlier in the text
+    i = next(i for i in range(len(pieces) - 1) if len(pieces[i].strip()) >= 2 and pieces[i + 1]
+             and full.text.index(pieces[i][1:] + pieces[i + 1][:1]) == len("".join(pieces[:i])) + 1)
+    stop = pieces[i][1:] + pieces[i + 1][:1]
+    before = full.text[:full.text.index(stop)]
+    assert before == "".join(pieces[:i]) + pieces[i][:1]
+
+    out = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop]))[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (before, full.token_ids[:i + 2], "stop")
+    events = list(tiny_llm.stream(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop])))
+    assert "".join(e.text for e in events) == before
+    kept = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop],
+                                                          include_stop_str_in_output=True))[0]
+    assert kept.text == before + stop and kept.token_ids == out.token_ids
+
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop]}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/completions", json=body), _stream(client, "/v1/completions", body),
+                                        client.post("/v1/completions", json={**body, "include_stop_str_in_output": True}))
+
+    with ServerThread(tiny_llm, max_batch_size=4) as server:
+        whole, (streamed, finishes, usage), whole_kept = _run(clients(server.url))
+    whole = whole.json()
+    assert whole["choices"][0]["text"] == before and whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == i + 2
+    assert streamed == before and finishes[-1] == "stop" and usage["completion_tokens"] == i + 2
+    assert whole_kept.json()["choices"][0]["text"] == before + stop
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_as_evaluation_harnesses_read_them(tiny_llm):

@@ -25,6 +25,7 @@ from ..core.sampling import SamplingConfig, target_probs
 from ..core.tree import DraftTree, gather_nodes, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
+from ..detokenize import StopCut
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
 from .drafters import Draft, LazyDraftStart, NoDraft, RequestDrafter
@@ -44,7 +45,7 @@ class Request:
     max_tokens: int
     generator: torch.Generator | None
     stop_ids: frozenset[int] = frozenset()
-    stop_check: Callable[[list[int]], int | None] | None = None  # returns a cut length when a stop string is hit
+    stop_check: Callable[[list[int]], StopCut | None] | None = None  # where a stop string ends the output, if one did
     logprobs: int | None = None  # report each output token's logprob and this many alternatives (None: off)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when logprobs is set
@@ -56,6 +57,7 @@ class Request:
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_trim: int = 0  # characters a stop string cut off the end of the output tokens' text (detokenize.StopCut)
     prefill_ms: float = 0.0
 
     def stats(self) -> GenerationStats:
@@ -294,7 +296,7 @@ class SpecEngine:
         """Add committed tokens, applying eos, max_tokens and stop strings; True when finished.
 
         Stop strings are checked after eos / max_tokens too: a stop string completed by the step's
-        last token (or before an eos in the same step) still ends the output before it. When the
+        last token (or before an eos in the same step) still ends the output there. When the
         request asks for logprobs, `logits` are the step's target logits: [P, V] over the layout's
         positions with the step's `result`, else one row per token.
         """
@@ -312,9 +314,9 @@ class SpecEngine:
                 break
         if request.stop_check is not None:
             cut = request.stop_check(request.output_ids)
-            if cut is not None:
-                del request.output_ids[cut:]
-                request.finish_reason = "stop"
+            if cut is not None:  # the tokens end with the one that completed the stop string, the text before it
+                del request.output_ids[cut.num_tokens:]
+                request.stop_trim, request.finish_reason = cut.trim, "stop"
         del request.output_logprobs[len(request.output_ids):]  # tokens past eos, max_tokens or a stop string
         for rule in (request.history, request.grammar):
             if rule is not None:

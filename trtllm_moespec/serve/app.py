@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..api import LLM
 from ..core.logprobs import TokenLogprob
 from ..engine.engine import Request
-from ..detokenize import IncrementalText, TextStream
+from ..detokenize import IncrementalText, TextStream, cut_text
 from .engine import make_request
 from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
                        parse_detokenize, parse_tokenize, usage)
@@ -51,6 +51,11 @@ class _Choice:
     def output(self) -> tuple[list[int], list[TokenLogprob]]:
         """The returned output tokens and their logprobs (once finished)."""
         return ([], []) if self.prompt_only else (self.request.output_ids, self.request.output_logprobs)
+
+    @property
+    def trim(self) -> int:
+        """Characters a stop string cut off the end of the returned tokens' text (once finished)."""
+        return 0 if self.prompt_only else self.request.stop_trim
 
 
 class Server:
@@ -266,7 +271,7 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
     out = []
     for c in choices:
         ids, entries = c.output()
-        text = (c.echo or "") + server.decode(ids)
+        text = (c.echo or "") + cut_text(server.decode(ids), c.trim)
         logprobs = None
         if c.request.logprobs is not None:
             logprobs = (_chat_logprobs(server, entries) if chat else
@@ -293,7 +298,7 @@ def _chat_reply(server: Server, c: _Choice, text: str) -> tuple[dict, str | None
     if tools is not None and (tools.named or tools.choice == "required"):
         calls, content = tools.calls(text, None)
     elif server.tool_call_parser == "harmony":
-        reply = harmony_reply(server.decode_raw(c.output()[0]), tools.names if tools is not None else [])
+        reply = harmony_reply(cut_text(server.decode_raw(c.output()[0]), c.trim), tools.names if tools is not None else [])
         calls, content, reasoning = reply.calls, reply.content, reply.reasoning
     elif tools is not None:
         calls, content = tools.calls(text, server.tool_call_parser)
@@ -356,7 +361,7 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     kind = "chat.completion.chunk" if chat else "text_completion"
     offsets = {c.index: IncrementalText(server.decode) for c in choices}  # text_offset of completion tokens
     # harmony (GPT-OSS): answer and reasoning stream as their channels grow; other tool parsers need the whole text
-    harmony = {c.index: HarmonyStream(server.decode_raw) for c in choices} if (
+    harmony = {c.index: HarmonyStream(server.decode_raw, c.text.hold) for c in choices} if (
         chat and server.tool_call_parser == "harmony") else {}
 
     def chunk(choice_list: list[dict], **extra) -> str:
@@ -391,19 +396,19 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 yield _sse(error_body(c.error, kind="internal_error"))
                 return
             if isinstance(event, TokenEvent) and c.index in harmony:
-                delta, logprobs = harmony[c.index].push(c.ids), step_logprobs(c, event)
+                delta, logprobs = harmony[c.index].push(c.ids, event.text_trim), step_logprobs(c, event)
                 if delta or logprobs:
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
             elif isinstance(event, TokenEvent):
                 # a chat whose tool calls a parser finds in the text is answered when it finishes
                 held = c.prompt_only or (chat and c.tools is not None)
-                delta, logprobs = "" if held else c.text.push(c.ids), step_logprobs(c, event)
+                delta, logprobs = "" if held else c.text.push(c.ids, event.text_trim), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
                     delta = c.echo + delta
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
             elif chat and (c.tools is not None or c.index in harmony):
-                message, finish = _chat_reply(server, c, server.decode(c.output()[0]))
+                message, finish = _chat_reply(server, c, cut_text(server.decode(c.output()[0]), c.trim))
                 if c.index in harmony:  # what the channels had not yet sent
                     delta = harmony[c.index].finish(message)
                 else:
@@ -412,7 +417,7 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
-                yield chunk([piece(c, c.text.finish(c.output()[0]), c.finish_reason)])
+                yield chunk([piece(c, c.text.finish(c.output()[0], c.trim), c.finish_reason)])
         if include_usage:
             prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
             completion = sum(len(c.output()[0]) for c in choices)

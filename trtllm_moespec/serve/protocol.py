@@ -1,7 +1,7 @@
 """OpenAI request bodies -> checked requests, and the OpenAI response / error shapes.
 
 Follows the OpenAI completions and chat-completions APIs, plus the extras vLLM users
-send (`top_k`, `seed`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
+send (`top_k`, `seed`, `ignore_eos`, `include_stop_str_in_output`, `repetition_penalty`, `min_p`, `min_tokens`, `stop_token_ids`,
 `structured_outputs` and the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`);
 OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (core/logit_rules.py),
 `response_format` (engine/structured.py) and chat's `tools` / `tool_choice` (tools.py) are applied too. Fields that would change what is generated and
@@ -124,7 +124,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
-    stop, ignore_eos = _stop(body.get("stop")), _bool(body, "ignore_eos")
+    stop, ignore_eos, keep_stop = _stop(body.get("stop")), _bool(body, "ignore_eos"), _bool(body, "include_stop_str_in_output")
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body))
@@ -138,7 +138,8 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, ignore_eos=ignore_eos, logprobs=logprobs,
+                                seed=seed, stop=stop, ignore_eos=ignore_eos, include_stop_str_in_output=keep_stop,
+                                logprobs=logprobs,
                                 prompt_logprobs=logprobs if echo else None, **rules)
     except ValueError as e:  # the message begins with the field's name
         name = str(e).split()[0]

@@ -34,10 +34,12 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens committed for one request by one engine step (final: stop strings were applied), with
-    their logprobs when the request asks for them."""
+    their logprobs when the request asks for them. On a request's last event, `text_trim` is the
+    characters a stop string cut off the end of the text of all its tokens (Request.stop_trim)."""
 
     token_ids: list[int]
     logprobs: tuple[TokenLogprob, ...] = ()
+    text_trim: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ class Scheduler:
         if out.new_ids:
             start, ticket.num_tokens = ticket.num_tokens, ticket.num_tokens + len(out.new_ids)
             logprobs = () if out.request.logprobs is None else tuple(out.request.output_logprobs[start:ticket.num_tokens])
-            ticket.sink(TokenEvent(out.new_ids, logprobs))
+            ticket.sink(TokenEvent(out.new_ids, logprobs, out.request.stop_trim if out.finished else 0))
         if out.error is not None or out.finished:
             with self._cond:
                 del self._running[id(out.request)]

@@ -128,16 +128,24 @@ def harmony_reply(raw: str, names: list[str], partial: bool = False) -> HarmonyR
 class HarmonyStream:
     """A harmony output's answer and reasoning as deltas while it grows (its calls wait for the end,
     when the whole text is read): `push` after each step, `finish` with the final message. Each push
-    decodes the whole output (with its special tokens): exact, at ~0.15 ms per 1000 tokens on this CPU."""
+    decodes the whole output (with its special tokens): exact, at ~0.15 ms per 1000 tokens on this CPU.
+    The last `hold` characters of each channel wait (they may begin a stop string); `trim` is what a
+    stop string cut off the end of the final tokens' text."""
 
-    def __init__(self, decode_raw: Callable[[Sequence[int]], str]):
-        self.decode_raw = decode_raw
+    def __init__(self, decode_raw: Callable[[Sequence[int]], str], hold: int = 0):
+        self.decode_raw, self.hold = decode_raw, hold
         self.sent = {"content": "", "reasoning_content": ""}
 
-    def push(self, output_ids: Sequence[int]) -> dict:
-        reply = harmony_reply(self.decode_raw(output_ids), [], partial=True)
-        # a trailing U+FFFD is a character whose bytes are still to come
-        return self._deltas((reply.content or "").rstrip("\ufffd"), (reply.reasoning or "").rstrip("\ufffd"))
+    def push(self, output_ids: Sequence[int], trim: int = 0) -> dict:
+        text = self.decode_raw(output_ids)
+        reply = harmony_reply(text[:len(text) - trim] if trim else text, [], partial=True)
+        return self._deltas(self._ready(reply.content), self._ready(reply.reasoning))
+
+    def _ready(self, value: str | None) -> str:
+        """A channel's text that may be sent: a trailing U+FFFD is a character whose bytes are still to
+        come, and the held characters may begin a stop string."""
+        value = (value or "").rstrip("\ufffd")
+        return value[:max(len(value) - self.hold, 0)]
 
     def finish(self, message: dict) -> dict:
         return self._deltas(message.get("content") or "", message.get("reasoning_content") or "")
