@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -54,6 +54,7 @@ class SamplingParams:
     stop: tuple[str, ...] | str | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # the text leaves out special tokens (eos, chat markers); False keeps them
     # Report each output token's logprob under the target (raw logits: before temperature, top-k and top-p)
     # and this many most likely alternatives (0: none); None: off. RequestOutput.logprobs holds them.
     logprobs: int | None = None
@@ -91,7 +92,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.logit_bias, dict):  # a hashable, ordered form (and the dict's keys checked as ints)
@@ -334,7 +335,7 @@ class LLM:
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         request = self.make_request(ids, params)
-        text = TextStream(self._decode, params.stop)
+        text = TextStream(self.decoder(params.skip_special_tokens), params.stop)
         for new in self.engine.run(request):
             n = len(request.output_ids)  # the step's tokens are final: its stop strings were applied
             logprobs = () if request.logprobs is None else tuple(request.output_logprobs[n - len(new):n])
@@ -374,10 +375,11 @@ class LLM:
             return None
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        return stop_string_check(self._decode, params.stop, params.include_stop_str_in_output)
+        return stop_string_check(self.decoder(params.skip_special_tokens), params.stop, params.include_stop_str_in_output)
 
-    def encode(self, prompts) -> list[list[int]]:
-        """Prompts (str or token ids, one or many) -> checked token-id lists."""
+    def encode(self, prompts, add_special_tokens: bool = False) -> list[list[int]]:
+        """Prompts (str or token ids, one or many) -> checked token-id lists (`add_special_tokens`: the
+        tokenizer's own, e.g. a BOS, around text prompts; Qwen3 and GPT-OSS tokenizers add none)."""
         if isinstance(prompts, str) or _is_ids(prompts):
             prompts = [prompts]
         batch = []
@@ -385,7 +387,7 @@ class LLM:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-                p = self.tokenizer.encode(p, add_special_tokens=False)
+                p = self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
             elif not isinstance(p, (list, tuple)) or not all(_is_int(t) for t in p):
                 # int(1.7) == 1 would silently change the prompt
                 raise ValueError(f"a prompt must be a string or a list of int token ids, got {_describe(p)}")
@@ -397,8 +399,15 @@ class LLM:
             raise ValueError("no prompts given")
         return batch
 
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
+        """Token ids -> text, leaving out the special tokens or keeping them ("" without a tokenizer)."""
+        return self._decode if skip_special_tokens else self._decode_raw
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _decode_raw(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer is not None else ""
 
 
 def _check_argument_types(*, model, draft_model, cost_profile, predictor, ddd_threshold, policy_options) -> None:

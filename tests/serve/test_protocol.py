@@ -165,3 +165,76 @@ def test_bad_sampling_values_are_refused(body):
 def test_bad_chat_bodies(body):
     with pytest.raises(BadRequest):
         parse_chat(body)
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("parse, body, field", [
+    (parse_completion, {"prompt": "a", "temprature": 0}, "temprature"),  # a typo must not silently sample at T=1
+    (parse_completion, {"prompt": "a", "messages": []}, "messages"),  # a chat field
+    (parse_completion, {"prompt": "a", "tools": []}, "tools"),
+    (parse_chat, {**CHAT, "prompt": "a"}, "prompt"),  # a completions field
+    (parse_chat, {**CHAT, "verbosity": "low"}, "verbosity"),
+    (parse_chat, {**CHAT, "thinking": {"type": "enabled"}}, "thinking"),
+])
+def test_unknown_fields_are_refused_by_name(parse, body, field):
+    """OpenAI's API refuses a field it does not know; so does this server, rather than drop one that could
+    change the output (vLLM only logs them)."""
+    with pytest.raises(BadRequest, match=f"unrecognized request field '{field}'") as e:
+        parse(body)
+    assert e.value.param == field
+
+
+def test_fields_that_change_nothing_are_accepted():
+    ignored = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "priority": 1,
+               "request_id": "r", "prompt_cache_key": "k", "safety_identifier": "s", "prediction": None}
+    assert parse_completion({"prompt": "a", **ignored}).prompts == ("a",)
+    assert parse_chat({**CHAT, **ignored, "modalities": ["text"], "function_call": "none"}).messages
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1), ("length_penalty", 0.5),
+    ("spaces_between_special_tokens", False), ("guided_whitespace_pattern", " "), ("chat_template", "{{ x }}"),
+    ("modalities", ["text", "audio"]), ("function_call", {"name": "f"}), ("early_stopping", True),
+])
+def test_known_fields_the_engine_cannot_honour_are_refused(field, value):
+    for parse, base in ((parse_completion, {"prompt": "a"}), (parse_chat, CHAT)):
+        with pytest.raises(BadRequest, match="not supported") as e:
+            parse({**base, field: value})
+        assert e.value.param == field
+
+
+def test_vllm_output_and_prompt_fields_reach_the_request():
+    req = parse_completion({"prompt": "a", "skip_special_tokens": False, "truncate_prompt_tokens": 3,
+                            "add_special_tokens": True, "include_stop_str_in_output": True, "stop": "x"})
+    assert not req.params.skip_special_tokens and req.truncate_prompt_tokens == 3 and req.add_special_tokens
+    assert req.params.include_stop_str_in_output
+    assert parse_completion({"prompt": "a"}).params.skip_special_tokens
+
+
+def test_chat_template_fields_become_template_keywords():
+    assert dict(parse_chat(CHAT).template_kwargs) == {"add_generation_prompt": True, "continue_final_message": False}
+    req = parse_chat({**CHAT, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
+                      "add_generation_prompt": False, "continue_final_message": True})
+    assert dict(req.template_kwargs) == {"add_generation_prompt": False, "continue_final_message": True,
+                                         "enable_thinking": False, "reasoning_effort": "low"}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),  # a parameter of the call, not a variable
+    ({"chat_template_kwargs": {"not an identifier": 1}}, "chat_template_kwargs"),
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"continue_final_message": True}, "continue_final_message"),  # needs add_generation_prompt: false
+    ({"add_special_tokens": True}, "add_special_tokens"),  # a completions field
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+])
+def test_bad_chat_template_and_output_fields_name_the_field(extra, param):
+    with pytest.raises(BadRequest) as e:
+        parse_chat({**CHAT, **extra})
+    assert e.value.param == param

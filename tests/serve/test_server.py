@@ -582,3 +582,73 @@ def test_joint_batch_server_matches_single_requests():
         results = _run(clients(server.url))
         steps = server.scheduler.metrics.iterations
     assert [text for text, _, _ in results] == expected and steps > 0
+
+
+THINKING_TEMPLATE = (TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+                     "{% if reasoning_effort is defined %}<effort {{ reasoning_effort }}>{% endif %}")
+
+
+def test_chat_template_fields_reach_the_template(tiny_llm):
+    """vLLM's chat_template_kwargs, reasoning_effort, add_generation_prompt and continue_final_message
+    change the prompt exactly as apply_chat_template does with them; a keyword the template never reads is
+    refused (Jinja would drop it silently)."""
+    messages = [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "def"}]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    def expected(**kwargs) -> tuple[str, int]:
+        ids = tiny_llm.tokenizer.apply_chat_template(messages, chat_template=THINKING_TEMPLATE, tokenize=True, **kwargs)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return tiny_llm.generate([ids], greedy)[0].text, len(ids)
+
+    cases = [({}, {"add_generation_prompt": True}),
+             ({"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "high"},
+              {"add_generation_prompt": True, "enable_thinking": False, "reasoning_effort": "high"}),
+             ({"add_generation_prompt": False, "continue_final_message": True},
+              {"add_generation_prompt": False, "continue_final_message": True})]
+    base = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json={**base, **extra})
+                                             for extra, _ in cases))
+            unread = await client.post("/v1/chat/completions", json={**base, "chat_template_kwargs": {"thinking": 1}})
+            return answers, unread
+
+    with ServerThread(tiny_llm, max_batch_size=4, chat_template=THINKING_TEMPLATE) as server:
+        answers, unread = _run(clients(server.url))
+    prompts = set()
+    for answer, (_, kwargs) in zip(answers, cases):
+        text, n = expected(**kwargs)
+        body = answer.json()
+        assert body["choices"][0]["message"]["content"] == text and body["usage"]["prompt_tokens"] == n
+        prompts.add(n)
+    assert len(prompts) == 3  # each case made another prompt
+    assert unread.status_code == 400 and unread.json()["error"]["param"] == "chat_template_kwargs"
+    assert "does not read 'thinking'" in unread.json()["error"]["message"]
+
+
+def test_truncated_prompts_and_special_tokens_in_the_text(tiny_llm):
+    """truncate_prompt_tokens keeps the prompt's last tokens (usage counts them); skip_special_tokens false
+    keeps special tokens in the text (here eos, forced by a logit bias), streamed and not."""
+    ids = tiny_llm.encode(PROMPTS[0])[0]
+    want = tiny_llm.generate([ids[-3:]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].text
+    eos = tiny_llm.target.eos_token_ids[0]
+    forced = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+              "logit_bias": {str(eos): 100}}
+    raw = tiny_llm.tokenizer.decode([eos] * 3, skip_special_tokens=False)
+    assert raw and "endoftext" in raw
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                     "truncate_prompt_tokens": 3}),
+                client.post("/v1/completions", json=forced),
+                client.post("/v1/completions", json={**forced, "skip_special_tokens": False}),
+                _stream(client, "/v1/completions", {**forced, "skip_special_tokens": False}))
+
+    with ServerThread(tiny_llm, max_batch_size=4) as server:
+        truncated, skipped, kept, (streamed, _, _) = _run(clients(server.url))
+    assert truncated.json()["choices"][0]["text"] == want and truncated.json()["usage"]["prompt_tokens"] == 3
+    assert skipped.json()["choices"][0]["text"] == ""
+    assert kept.json()["choices"][0]["text"] == raw == streamed

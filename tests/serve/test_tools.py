@@ -58,6 +58,15 @@ def test_calls_come_out_of_each_kind_of_output():
     assert Tools(tools, "auto").calls(text, None) == ([], text)  # no parser: plain text
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_only():
+    text = ('<tool_call>{"name": "weather", "arguments": {"city": "A"}}</tool_call>'
+            '<tool_call>{"name": "time", "arguments": {}}</tool_call>')
+    both = parse_tools({"tools": [WEATHER, TIME]})
+    one = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
+    assert [c.name for c in both.calls(text, "hermes")[0]] == ["weather", "time"]
+    assert [c.name for c in one.calls(text, "hermes")[0]] == ["weather"]
+
+
 def test_hermes_keeps_blocks_it_cannot_use_in_the_content():
     text = ('<tool_call>{"name": "weather", "arguments": {"city": "A"}}</tool_call> and '
             '<tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>')

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -47,6 +48,7 @@ class _Choice:
     echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
     prompt_only: bool = False  # echo with max_tokens=0: the request's one token (from the prefill) is not returned
     tools: Tools | None = None  # chat with tools: its finished text is parsed for calls (tools.py)
+    decode: Callable[[Sequence[int]], str] | None = None  # its output's text (with or without special tokens)
 
     def output(self) -> tuple[list[int], list[TokenLogprob]]:
         """The returned output tokens and their logprobs (once finished)."""
@@ -80,30 +82,47 @@ class Server:
             raise BadRequest("tool_choice \"auto\" needs the server started with --tool-call-parser (hermes); "
                              "\"required\" or a named function work without one", "tool_choice")
         with self._tokenizer_lock:
-            batch = (self.llm.encode(list(req.prompts)) if req.prompts else
-                     [self._chat_ids(req.messages, req.tools.functions if req.tools else None)])
+            batch = (self.llm.encode(list(req.prompts), req.add_special_tokens) if req.prompts else
+                     [self._chat_ids(req.messages, req.tools.functions if req.tools else None,
+                                     dict(req.template_kwargs))])
+        if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last tokens only
+            batch = [ids[-req.truncate_prompt_tokens:] for ids in batch]
+        decode = self.decode if req.params.skip_special_tokens else self.decode_raw
         choices = []
         for prompt, ids in zip(req.prompts or [None], batch):
-            echo = (prompt if isinstance(prompt, str) else self.decode(ids)) if req.echo else None
+            whole = isinstance(prompt, str) and req.truncate_prompt_tokens is None
+            echo = (prompt if whole else self.decode(ids)) if req.echo else None
             params = req.params
             if req.max_tokens is None:  # chat default: the rest of the context
                 params = replace(params, max_tokens=max(self.llm.target.max_position_embeddings - len(ids), 1))
             for j in range(req.n):  # OpenAI's order: the choices of prompt 0, then those of prompt 1, ...
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 request = make_request(self.llm, ids, seeded, self._tokenizer_lock)
-                choices.append(_Choice(len(choices), request, TextStream(self.decode, params.stop), counts_prompt=j == 0,
+                choices.append(_Choice(len(choices), request, TextStream(decode, params.stop), counts_prompt=j == 0,
                                        echo=echo, prompt_only=req.max_tokens == 0,
-                                       tools=req.tools if req.tools is not None and req.tools.choice != "none" else None))
+                                       tools=req.tools if req.tools is not None and req.tools.choice != "none" else None,
+                                       decode=decode))
         return choices
 
-    def _chat_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    def _chat_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+        """The chat's prompt through the chat template. `template_kwargs` (default: add the generation
+        prompt) go to the template; one that names a variable the template never reads is refused, since
+        Jinja would drop it silently (e.g. enable_thinking with a template that has no thinking switch)."""
         tokenizer = self.llm.tokenizer
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if tokenizer is None or not template:
             raise ValueError(f"the model '{self.model_name}' has no chat template; use /v1/completions or start the "
                              "server with --chat-template FILE")
-        ids = tokenizer.apply_chat_template(list(messages), chat_template=template, add_generation_prompt=True,
-                                            tokenize=True, tools=list(tools) if tools else None)
+        kwargs = dict(template_kwargs or {"add_generation_prompt": True})
+        variables = [k for k in kwargs if k not in ("add_generation_prompt", "continue_final_message")]
+        source = template if isinstance(template, str) else " ".join(map(str, dict(template).values()))
+        unread = next((k for k in variables if not re.search(rf"\b{k}\b", source)), None)
+        if unread is not None:
+            raise BadRequest(f"the chat template does not read '{unread}'", "reasoning_effort"
+                             if unread == "reasoning_effort" else "chat_template_kwargs")
+        ids = tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=True,
+                                            tools=list(tools) if tools else None, **kwargs)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         if not ids:
             raise ValueError("the chat template produced an empty prompt")
@@ -271,11 +290,11 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
     out = []
     for c in choices:
         ids, entries = c.output()
-        text = (c.echo or "") + cut_text(server.decode(ids), c.trim)
+        text = (c.echo or "") + cut_text(c.decode(ids), c.trim)
         logprobs = None
         if c.request.logprobs is not None:
-            logprobs = (_chat_logprobs(server, entries) if chat else
-                        _completion_logprobs(server, ids, entries, 0, IncrementalText(server.decode),
+            logprobs = (_chat_logprobs(c.decode, entries) if chat else
+                        _completion_logprobs(c.decode, ids, entries, 0, IncrementalText(c.decode),
                                              shift=len(c.echo or "")))
             if c.echo is not None:
                 logprobs = _joined(_echo_logprobs(server, c.request), logprobs)
@@ -299,7 +318,7 @@ def _chat_reply(server: Server, c: _Choice, text: str) -> tuple[dict, str | None
         calls, content = tools.calls(text, None)
     elif server.tool_call_parser == "harmony":
         reply = harmony_reply(cut_text(server.decode_raw(c.output()[0]), c.trim), tools.names if tools is not None else [])
-        calls, content, reasoning = reply.calls, reply.content, reply.reasoning
+        calls, content, reasoning = tools.allowed(reply.calls) if tools else [], reply.content, reply.reasoning
     elif tools is not None:
         calls, content = tools.calls(text, server.tool_call_parser)
     else:
@@ -313,15 +332,15 @@ def _chat_reply(server: Server, c: _Choice, text: str) -> tuple[dict, str | None
     return message, "stop" if tools is not None and tools.named else "tool_calls"  # (OpenAI's)
 
 
-def _completion_logprobs(server: Server, ids: Sequence[int], entries: Sequence[TokenLogprob], start: int,
-                         text: IncrementalText, shift: int = 0) -> dict:
+def _completion_logprobs(decode: Callable[[Sequence[int]], str], ids: Sequence[int], entries: Sequence[TokenLogprob],
+                         start: int, text: IncrementalText, shift: int = 0) -> dict:
     """The legacy completions `logprobs` object for tokens start.. of `ids` (whose entries these are):
     each token's text and logprob, its top alternatives and where its text starts in the returned
     text (`shift` characters precede `ids`' own: the echoed prompt). `text` decodes prefixes of `ids`;
     a stream passes the same one for every chunk."""
-    return {"tokens": [server.decode([e.token_id]) for e in entries],
+    return {"tokens": [decode([e.token_id]) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{server.decode([t]): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries],
             "text_offset": [shift + len(text.text(ids[:i])) for i in range(start, start + len(entries))]}
 
 
@@ -329,7 +348,7 @@ def _echo_logprobs(server: Server, request: Request) -> dict:
     """The echoed prompt's part of the completions `logprobs` object: the first token's logprob and
     alternatives are null (it has no context), the others' come from the prefill."""
     ids = request.prompt_ids
-    rest = _completion_logprobs(server, ids, request.prompt_token_logprobs, 1, IncrementalText(server.decode))
+    rest = _completion_logprobs(server.decode, ids, request.prompt_token_logprobs, 1, IncrementalText(server.decode))
     return {"tokens": [server.decode(ids[:1]), *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
 
@@ -339,11 +358,11 @@ def _joined(first: dict, then: dict) -> dict:
     return {key: first[key] + then[key] for key in first}
 
 
-def _chat_logprobs(server: Server, entries: Sequence[TokenLogprob]) -> dict:
+def _chat_logprobs(decode: Callable[[Sequence[int]], str], entries: Sequence[TokenLogprob]) -> dict:
     """The chat `logprobs` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        token = server.decode([token_id])
+        token = decode([token_id])
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
@@ -359,7 +378,7 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     chunk's text is empty: delivered tokens are final, so the chunks' logprobs add up to the
     non-streamed response's, as their texts do."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    offsets = {c.index: IncrementalText(server.decode) for c in choices}  # text_offset of completion tokens
+    offsets = {c.index: IncrementalText(c.decode) for c in choices}  # text_offset of completion tokens
     # harmony (GPT-OSS): answer and reasoning stream as their channels grow; other tool parsers need the whole text
     harmony = {c.index: HarmonyStream(server.decode_raw, c.text.hold) for c in choices} if (
         chat and server.tool_call_parser == "harmony") else {}
@@ -380,9 +399,9 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
         if c.prompt_only:
             return _echo_logprobs(server, c.request)
         if chat:
-            return _chat_logprobs(server, event.logprobs)
+            return _chat_logprobs(c.decode, event.logprobs)
         start = len(c.ids) - len(event.token_ids)
-        part = _completion_logprobs(server, c.ids, event.logprobs, start, offsets[c.index], shift=len(c.echo or ""))
+        part = _completion_logprobs(c.decode, c.ids, event.logprobs, start, offsets[c.index], shift=len(c.echo or ""))
         return _joined(_echo_logprobs(server, c.request), part) if c.echo is not None and start == 0 else part
 
     try:
@@ -408,7 +427,7 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 if delta or logprobs:
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
             elif chat and (c.tools is not None or c.index in harmony):
-                message, finish = _chat_reply(server, c, cut_text(server.decode(c.output()[0]), c.trim))
+                message, finish = _chat_reply(server, c, cut_text(c.decode(c.output()[0]), c.trim))
                 if c.index in harmony:  # what the channels had not yet sent
                     delta = harmony[c.index].finish(message)
                 else:

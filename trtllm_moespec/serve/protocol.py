@@ -7,7 +7,10 @@ OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (core/logit_rules
 `response_format` (engine/structured.py) and chat's `tools` / `tool_choice` (tools.py) are applied too. Fields that would change what is generated and
 that the engine does not implement (best_of, suffix, ...) are
 refused with a 400 naming the field rather than silently ignored; fields that do not
-change the output (`user`, ...) are ignored. `n` > 1 makes n requests of each prompt (choice j
+change the output (`user`, ...) are ignored, and a field neither list knows is refused (as OpenAI's
+API refuses it). vLLM's `skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `reasoning_effort` and
+OpenAI's `parallel_tool_calls` are applied. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
 chat: `logprobs` + `top_logprobs`) is served with and without streaming; completions' `echo` returns the
 prompt before the completion, and with `logprobs` the prompt tokens' logprobs too (the first one null).
@@ -28,9 +31,34 @@ from .tools import ToolError, Tools, parse_tools
 
 # Fields accepted only at their "off" value: (name, allowed values).
 _UNSUPPORTED = (
-    ("best_of", (None, 1)), ("suffix", (None, "")),
-    ("use_beam_search", (None, False)), ("functions", (None, [])),
+    ("best_of", (None, 1)), ("suffix", (None, "")), ("use_beam_search", (None, False)), ("functions", (None, [])),
+    ("function_call", (None, "none", "auto")), ("length_penalty", (None, 1, 1.0)), ("early_stopping", (None, False)),
+    ("bad_words", (None, [])), ("allowed_token_ids", (None,)), ("prompt_logprobs", (None,)),
+    ("spaces_between_special_tokens", (None, True)), ("guided_decoding_backend", (None, "xgrammar", "auto")),
+    ("guided_whitespace_pattern", (None,)), ("modalities", (None, ["text"])), ("audio", (None,)),
+    ("chat_template", (None,)),  # a template in the request runs the sender's Jinja: the server's --chat-template only
 )
+# Fields that change nothing in what is generated (scheduling, caching hints, bookkeeping): accepted, ignored.
+_IGNORED = ("user", "metadata", "store", "service_tier", "priority", "request_id", "prompt_cache_key",
+            "safety_identifier", "prediction")
+_SAMPLING = ("model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+             "stop", "include_stop_str_in_output", "ignore_eos", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "response_format",
+             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+             "skip_special_tokens", "truncate_prompt_tokens")
+# Every field each endpoint knows: applied, refused at a value it cannot honour, or ignored. Any other is refused
+# (as OpenAI's API refuses it): a field this server does not know might change the output, and must not be dropped.
+_KNOWN_COMPLETION = frozenset((*_SAMPLING, *_IGNORED, *(n for n, _ in _UNSUPPORTED), "prompt", "echo",
+                               "add_special_tokens"))
+_KNOWN_CHAT = frozenset((*_SAMPLING, *_IGNORED, *(n for n, _ in _UNSUPPORTED), "messages", "max_completion_tokens",
+                         "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                         "add_generation_prompt", "continue_final_message", "reasoning_effort", "echo",
+                         "add_special_tokens"))
+# apply_chat_template's own parameters: `chat_template_kwargs` may not set them (the server does)
+_TEMPLATE_PARAMETERS = frozenset(("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                  "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                  "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+REASONING_EFFORTS = ("low", "medium", "high")
 # vLLM's structured-output fields -> StructuredOutput.of keywords
 _GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
@@ -63,21 +91,27 @@ class GenerationRequest:
     n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
     echo: bool = False  # completions: the prompt comes back before the completion (with its logprobs if asked)
     tools: Tools | None = None  # chat: the functions the model may call, and how (tools.py)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens (vLLM's)
+    add_special_tokens: bool = False  # completions: the tokenizer's special tokens (a BOS) around a text prompt
+    # chat: keywords of the chat template (vLLM's chat_template_kwargs, add_generation_prompt,
+    # continue_final_message, and reasoning_effort for GPT-OSS's template)
+    template_kwargs: tuple[tuple[str, Any], ...] = (("add_generation_prompt", True),)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (raises BadRequest)."""
-    body = _object(body)
+    body = _known(_object(body), _KNOWN_COMPLETION)
     logprobs = body.get("logprobs")
     if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
         raise BadRequest(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
     return _request(body, prompts=_prompts(body.get("prompt")), messages=(), max_tokens=body.get("max_tokens"),
-                    default_max_tokens=16, logprobs=logprobs, echo=_bool(body, "echo"))
+                    default_max_tokens=16, logprobs=logprobs, echo=_bool(body, "echo"),
+                    add_special_tokens=_bool(body, "add_special_tokens"))
 
 
 def parse_chat(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (raises BadRequest)."""
-    body = _object(body)
+    body = _known(_object(body), _KNOWN_CHAT)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     top = body.get("top_logprobs")
     if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
@@ -86,16 +120,56 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if _bool(body, "echo"):
         raise BadRequest("'echo' is a /v1/completions field", "echo")
+    if _bool(body, "add_special_tokens"):
+        raise BadRequest("'add_special_tokens' is a /v1/completions field: the chat template places the special "
+                         "tokens of a chat", "add_special_tokens")
     try:
         tools = parse_tools(body)
     except ToolError as e:
         raise BadRequest(str(e), e.param) from None
     return _request(body, prompts=(), messages=_messages(body.get("messages")), max_tokens=max_tokens,
-                    default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None, tools=tools)
+                    default_max_tokens=None, logprobs=(top or 0) if _bool(body, "logprobs") else None, tools=tools,
+                    template_kwargs=_template_kwargs(body))
+
+
+def _known(body: dict, known: frozenset[str]) -> dict:
+    """The body, once every field in it is one this endpoint knows."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unrecognized request field '{unknown[0]}': this server applies or refuses every field it "
+                         "knows (docs/serving.md) and refuses the others rather than drop one that could change "
+                         "the output", unknown[0])
+    return body
+
+
+def _template_kwargs(body: dict) -> tuple[tuple[str, Any], ...]:
+    """The chat template's keywords: vLLM's add_generation_prompt (default true), continue_final_message,
+    chat_template_kwargs (e.g. Qwen3's enable_thinking) and reasoning_effort (GPT-OSS's template)."""
+    generation, final = body.get("add_generation_prompt", True), _bool(body, "continue_final_message")
+    if not isinstance(generation, bool):
+        raise BadRequest(f"'add_generation_prompt' must be true or false, got {generation!r}", "add_generation_prompt")
+    if generation and final:
+        raise BadRequest("'continue_final_message' continues the last message: it needs 'add_generation_prompt': "
+                         "false", "continue_final_message")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and k.isidentifier() for k in extra):
+        raise BadRequest("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    taken = sorted(set(extra) & _TEMPLATE_PARAMETERS)
+    if taken:
+        raise BadRequest(f"'chat_template_kwargs' may not set '{taken[0]}' (a parameter of the template call, "
+                         "not a template variable)", "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise BadRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                             "reasoning_effort")
+        extra = {**extra, "reasoning_effort": effort}
+    return (("add_generation_prompt", generation), ("continue_final_message", final), *sorted(extra.items()))
 
 
 def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logprobs: int | None,
-             echo: bool = False, tools: Tools | None = None) -> GenerationRequest:
+             echo: bool = False, tools: Tools | None = None, add_special_tokens: bool = False,
+             template_kwargs: tuple[tuple[str, Any], ...] = (("add_generation_prompt", True),)) -> GenerationRequest:
     for name, allowed in _UNSUPPORTED:
         if name in body and body[name] not in allowed:
             raise BadRequest(f"'{name}'={body[name]!r} is not supported by this server", name)
@@ -125,6 +199,12 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
     stop, ignore_eos, keep_stop = _stop(body.get("stop")), _bool(body, "ignore_eos"), _bool(body, "include_stop_str_in_output")
+    skip_special = body.get("skip_special_tokens", True)
+    if not isinstance(skip_special, bool):
+        raise BadRequest(f"'skip_special_tokens' must be true or false, got {skip_special!r}", "skip_special_tokens")
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and not (_is_int(truncate) and truncate >= 1):
+        raise BadRequest(f"'truncate_prompt_tokens' must be an integer >= 1, got {truncate!r}", "truncate_prompt_tokens")
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body))
@@ -139,7 +219,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     try:
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, include_stop_str_in_output=keep_stop,
-                                logprobs=logprobs,
+                                skip_special_tokens=skip_special, logprobs=logprobs,
                                 prompt_logprobs=logprobs if echo else None, **rules)
     except ValueError as e:  # the message begins with the field's name
         name = str(e).split()[0]
@@ -147,7 +227,8 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     if n > 1 and seed is not None and seed + n > MAX_SEED:
         raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
-                             bool((options or {}).get("include_usage", False)), n, echo, tools)
+                             bool((options or {}).get("include_usage", False)), n, echo, tools, truncate,
+                             add_special_tokens, template_kwargs)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Tools:
     functions: tuple[dict, ...]  # OpenAI's {"type": "function", "function": {...}} entries, as given
     choice: str
     named: bool = False  # `choice` is a function's name
+    parallel: bool = True  # parallel_tool_calls: false returns only the first call an answer makes
 
     @property
     def names(self) -> list[str]:
@@ -86,8 +87,13 @@ class Tools:
                 return [ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))], None
             return [], text
         if self.choice == "auto" and parser == "hermes":
-            return hermes_calls(text, self.names)
+            calls, content = hermes_calls(text, self.names)
+            return self.allowed(calls), content
         return [], text
+
+    def allowed(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls an answer returns: with parallel_tool_calls false, only its first."""
+        return calls if self.parallel else calls[:1]
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,9 @@ def hermes_calls(text: str, names: list[str]) -> tuple[list[ToolCall], str | Non
 
 def parse_tools(body: dict) -> Tools | None:
     """A chat body's `tools` and `tool_choice` (None: no tools and no choice)."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
     if tools in (None, []):
         if choice not in (None, "none"):
             raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
@@ -193,11 +201,11 @@ def parse_tools(body: dict) -> Tools | None:
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         if name not in names:
             raise ToolError(f"'tool_choice' must name one of the tools ({', '.join(names)})", "tool_choice")
-        return Tools(tuple(tools), name, named=True)
+        return Tools(tuple(tools), name, named=True, parallel=parallel)
     if choice not in ("none", "auto", "required"):
         raise ToolError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                         "\"function\": {\"name\": ...}}", "tool_choice")
-    return Tools(tuple(tools), choice)
+    return Tools(tuple(tools), choice, parallel=parallel)
 
 
 def _is_function(tool: Any) -> bool:
