@@ -131,8 +131,9 @@ def test_executor_rejects_a_bad_batch_size(engine_dir):
 
 def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
     """Penalties, min_p, min_tokens and top-k at their "off" values go as None (TensorRT-LLM's SamplingParams then keeps its C++
-    defaults, sampling_params.py @ 000a01de); set ones pass through, and so do stop, include_stop_str_in_output
-    and ignore_eos (fields of that class at that commit); what the backend cannot honour is refused."""
+    defaults, sampling_params.py @ 000a01de); set ones pass through, and so do stop, include_stop_str_in_output,
+    ignore_eos and skip_special_tokens (fields of that class at that commit); what the backend cannot honour is
+    refused."""
     from trtllm_moespec import SamplingParams
     from trtllm_moespec.runtime.executor import trtllm_sampling_kwargs
 
@@ -143,9 +144,10 @@ def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
                                                frequency_penalty=0.3, stop="x", seed=3))
     assert (on["top_k"], on["repetition_penalty"], on["presence_penalty"], on["frequency_penalty"]) == (4, 1.2, -0.5, 0.3)
     assert on["stop"] == ("x",) and on["seed"] == 3 and on["return_perf_metrics"]
-    assert not off["ignore_eos"] and not off["include_stop_str_in_output"]
-    kept = trtllm_sampling_kwargs(SamplingParams(stop="x", include_stop_str_in_output=True, ignore_eos=True))
-    assert kept["include_stop_str_in_output"] and kept["ignore_eos"]
+    assert not off["ignore_eos"] and not off["include_stop_str_in_output"] and off["skip_special_tokens"]
+    kept = trtllm_sampling_kwargs(SamplingParams(stop="x", include_stop_str_in_output=True, ignore_eos=True,
+                                                 skip_special_tokens=False))
+    assert kept["include_stop_str_in_output"] and kept["ignore_eos"] and not kept["skip_special_tokens"]
     assert off["min_p"] is None and off["min_tokens"] is None and off["stop_token_ids"] is None
     more = trtllm_sampling_kwargs(SamplingParams(min_p=0.1, min_tokens=2, stop_token_ids=[7]))
     assert (more["min_p"], more["min_tokens"], more["stop_token_ids"]) == (0.1, 2, [7])
