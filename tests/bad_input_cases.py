@@ -30,6 +30,8 @@ CASES: tuple[Case, ...] = (
     Case("stop-inside-token", "API", "a stop string that begins inside a token (`stop=[\":\"]`, the model emits the token `\"):\"`)",
          "the text ends where the stop string begins, `)` kept; the token stays in the output (was: the whole "
          "token and its `)` dropped)"),
+    Case("target-model-mismatch", "API", "`LLM(target_model=other.target)` loaded with another dtype, device or model_impl",
+         "error naming what differs (sharing it would run this LLM on weights it did not ask for)"),
     Case("stream-utf8", "API", "streaming text whose multi-byte characters span tokens",
          "incomplete characters are held back: no U+FFFD the final text lacks; joined chunks == final text"),
     # --- crashes and tracebacks

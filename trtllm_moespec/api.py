@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -32,6 +32,9 @@ from .engine.structured import GrammarCompiler, StructuredOutput
 from .models.checkpoint import parse_dtype
 from .resolve import (TINY, ModelPaths, check_target_dir, check_tree_fits_drafter, device_name, load_cost_profile,
                       load_predictor, load_value_model, parse_device, resolve_model, set_cpu_threads)
+
+if TYPE_CHECKING:
+    from .models.target import TargetModel
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "TreeConfig"]
 
@@ -190,13 +193,19 @@ class LLM:
         threads: int | None = 1,
         cuda_graphs: bool | None = None,
         prefix_cache: int = 0,
+        target_model: TargetModel | None = None,
     ):
         """ep: an `parallel.run.EPContext` on rank 0 of an `mpirun -n N ... --ep N` job (None: one process);
         ep_pricing: with ep, ecospec / joint price U_max, each MoE layer's busiest rank (see core/placement.py);
         cuda_graphs: replay the verify forward (plain steps included) from one CUDA graph per verify-length
         bucket (models/cuda_graphs.py); None = on for CUDA with model_impl='lean', off otherwise;
         prefix_cache: keep the K/V of up to this many finished prompts, for later prompts that begin with
-        the same tokens (engine/prefix_cache.py; 0 = off). Each kept prompt holds one KV-cache slot."""
+        the same tokens (engine/prefix_cache.py; 0 = off). Each kept prompt holds one KV-cache slot;
+        target_model: the target of another LLM of the same model, device, dtype and model_impl, whose loaded
+        weights (and static KV cache) this one shares instead of loading its own copy. For comparing
+        policies on one copy of the weights (the benchmark does): where each loads its own, the copies'
+        placement in memory alone moved a plain step's time by a few percent. Requests of LLMs that share a
+        target must not run at the same time."""
         if policy not in METHODS:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(METHODS)}")
         if drafter not in ("eagle3", "ngram"):
@@ -253,7 +262,9 @@ class LLM:
         from .engine.drafters import Eagle3Source, NgramSource
         from .models.target import TargetModel
 
-        self.target = TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
+        self.target = (TargetModel.load(self.paths.target, device=self.device, dtype=dtype, model_impl=model_impl)
+                       if target_model is None else _shared_target(target_model, self.paths.target, self.device,
+                                                                   dtype, model_impl))
         placement = None
         if ep is not None:  # shard this rank's experts; every forward then runs on all ranks
             self.target = ep.leader_target(self.target, self.paths.target, dtype, model_impl)
@@ -408,6 +419,21 @@ class LLM:
 
     def _decode_raw(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer is not None else ""
+
+
+def _shared_target(target, path: Path, device: torch.device, dtype: str, model_impl: str):
+    """`target_model=`: another LLM's target, once it is the one this LLM would load."""
+    from .models.target import TargetModel
+
+    if not isinstance(target, TargetModel):
+        raise ValueError(f"target_model must be another LLM's .target, got {type(target).__name__}")
+    loaded = Path(getattr(target.model.config, "_name_or_path", "") or "")
+    have = {"path": loaded.resolve(), "device": target.device, "dtype": target.dtype, "model_impl": target.model_impl}
+    wanted = {"path": path.resolve(), "device": device, "dtype": parse_dtype(dtype), "model_impl": model_impl}
+    differ = [f"{k} {have[k]} (this LLM: {wanted[k]})" for k in have if have[k] != wanted[k]]
+    if differ:
+        raise ValueError(f"target_model is not the target this LLM would load: its {', '.join(differ)}")
+    return target
 
 
 def _check_argument_types(*, model, draft_model, cost_profile, predictor, ddd_threshold, policy_options) -> None:

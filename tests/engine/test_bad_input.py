@@ -211,3 +211,20 @@ def test_a_stop_string_completed_by_the_last_token_still_stops(tiny_ar):
     out = tiny_ar.generate("def f(x):\n", SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.text == full.text[:full.text.index(stop)]
     assert out.token_ids == full.token_ids
+
+
+def test_a_shared_target_must_be_the_one_the_llm_would_load(tiny_ar):
+    """(case target-model-mismatch) `target_model=` shares another LLM's loaded weights (one copy for every
+    policy the benchmark compares); one loaded with another dtype or model_impl is refused by name."""
+    from trtllm_moespec import LLM, SamplingParams
+
+    shared = LLM(policy="joint", target_model=tiny_ar.target)
+    assert shared.target is tiny_ar.target
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    assert shared.generate(["def f(x):\n"], params)[0].token_ids == tiny_ar.generate(["def f(x):\n"], params)[0].token_ids
+    with pytest.raises(ValueError, match="target_model is not the target this LLM would load: its dtype"):
+        LLM(policy="ar", dtype="bfloat16", target_model=tiny_ar.target)
+    with pytest.raises(ValueError, match="model_impl lean"):
+        LLM(policy="ar", model_impl="hf", target_model=tiny_ar.target)
+    with pytest.raises(ValueError, match="target_model must be another LLM's .target"):
+        LLM(policy="ar", target_model=tiny_ar)

@@ -158,7 +158,9 @@ def _build_runners(specs, args, tree):
 
     runners = []
     for spec in tqdm(specs, desc="load methods", disable=args.no_progress):
-        runners.append(build_runner(spec, args.model, args.draft_model, tree, args.device, args.dtype, args.cost_profile))
+        shared = runners[0].llm.target if runners else None  # one copy of the target's weights for every method
+        runners.append(build_runner(spec, args.model, args.draft_model, tree, args.device, args.dtype, args.cost_profile,
+                                    shared))
     return runners
 
 

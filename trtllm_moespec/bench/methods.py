@@ -118,11 +118,13 @@ def values_specs(specs: list[MethodSpec], default: str, sweep: tuple[str, ...] =
 
 
 def build_runner(spec: MethodSpec, model: str, draft_model: str | None, tree, device: str, dtype: str,
-                 cost_profile: str | None = None) -> MethodRunner:
+                 cost_profile: str | None = None, target_model=None) -> MethodRunner:
+    """A method's LLM; `target_model` (the first method's target) is shared, so every method runs on one copy
+    of the weights: separate copies' placement in memory alone moved a plain step by a few percent."""
     from ..api import LLM
 
     llm = LLM(model=model, draft_model=draft_model, policy=spec.policy, tree=tree, device=device, dtype=dtype,
               cost_profile=cost_profile if spec.policy in ("evict", "joint") else None, predictor=spec.predictor, drafter=spec.drafter,
               policy_options=spec.options or None, values=spec.values, threads=None,  # bench set --threads
-              **dict(spec.llm_options))
+              target_model=target_model, **dict(spec.llm_options))
     return MethodRunner(spec, llm)
