@@ -210,11 +210,16 @@ def test_tool_calls_through_the_server(tiny_llm):
 
     async def auto(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            return await client.post("/v1/chat/completions", json={**base, "tool_choice": "auto"})
+            return await asyncio.gather(client.post("/v1/chat/completions", json={**base, "tool_choice": "auto"}),
+                                        _chunks(client, "/v1/chat/completions", {**base, "tool_choice": "auto"}))
 
     with ServerThread(tiny_llm, max_batch_size=1, chat_template=TOOLS_TEMPLATE, tool_call_parser="hermes") as server:
-        answer = _run(auto(server.url)).json()["choices"][0]
+        answer, chunks = _run(auto(server.url))
+    answer = answer.json()["choices"][0]
     assert "tool_calls" not in answer["message"] and answer["finish_reason"] in ("stop", "length")
+    # streamed, the content (no call here) grows chunk by chunk instead of coming whole at the end
+    texts = [c["delta"].get("content") for chunk in chunks for c in chunk["choices"] if c["delta"].get("content")]
+    assert len(texts) > 1 and "".join(texts) == answer["message"]["content"]
 
 
 def test_the_harmony_parser_answers_with_content_reasoning_and_calls(tiny_llm):

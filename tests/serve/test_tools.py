@@ -103,3 +103,26 @@ def test_harmony_outputs_split_into_answer_reasoning_and_calls():
     cut = harmony_reply("<|channel|>analysis<|message|>still thinking", [])  # max_tokens ended the reasoning
     assert (cut.content, cut.reasoning) == (None, "still thinking")
     assert harmony_reply("no channels here", []).content == "no channels here"
+
+
+def test_hermes_content_streams_until_the_first_call_block():
+    """Streamed under the hermes parser, the content before the first <tool_call> block goes out as it grows
+    (nothing that may begin a block), and the deltas join to the final message's content."""
+    from transformers import AutoTokenizer
+
+    from trtllm_moespec.resolve import resolve_model
+    from trtllm_moespec.serve.tools import HermesStream
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("moespec-tiny", None, None).target))
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    tools = Tools((WEATHER, TIME), "auto")
+    text = ('  Let me look it up.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            'Then <tool the time.\n<tool_call>{"name": "time", "arguments": {}}</tool_call>')
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = HermesStream(decode)
+    deltas = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)]
+    calls, content = tools.calls(decode(ids), "hermes")
+    assert [c.name for c in calls] == ["weather", "time"]
+    assert "".join(deltas) == "Let me look it up." and not any("<" in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 3  # it streamed, word by word
+    assert "".join(deltas) + stream.finish(content) == content == "Let me look it up.\n\nThen <tool the time."

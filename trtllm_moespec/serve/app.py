@@ -28,7 +28,7 @@ from .engine import make_request
 from .protocol import (BadRequest, GenerationRequest, error_body, new_id, now, parse_chat, parse_completion,
                        parse_detokenize, parse_tokenize, usage)
 from .scheduler import FinishEvent, QueueFull, Scheduler, Ticket, TokenEvent
-from .tools import HarmonyStream, Tools, harmony_reply
+from .tools import HarmonyStream, HermesStream, Tools, harmony_reply
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks its client
 
@@ -382,6 +382,9 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     # harmony (GPT-OSS): answer and reasoning stream as their channels grow; other tool parsers need the whole text
     harmony = {c.index: HarmonyStream(server.decode_raw, c.text.hold) for c in choices} if (
         chat and server.tool_call_parser == "harmony") else {}
+    # hermes ("auto" tools): the content before the first call block streams; the calls come at the end
+    hermes = {c.index: HermesStream(c.decode, c.text.hold) for c in choices if chat and c.tools is not None
+              and c.tools.choice == "auto" and server.tool_call_parser == "hermes"}
 
     def chunk(choice_list: list[dict], **extra) -> str:
         return _sse({"id": rid, "object": kind, "created": created, "model": server.model_name,
@@ -418,8 +421,12 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 delta, logprobs = harmony[c.index].push(c.ids, event.text_trim), step_logprobs(c, event)
                 if delta or logprobs:
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            elif isinstance(event, TokenEvent) and c.index in hermes:
+                text, logprobs = hermes[c.index].push(c.ids, event.text_trim), step_logprobs(c, event)
+                if text or logprobs:
+                    yield chunk([piece(c, text, None, logprobs=logprobs)])
             elif isinstance(event, TokenEvent):
-                # a chat whose tool calls a parser finds in the text is answered when it finishes
+                # a chat whose output is a forced call (named or "required") is answered when it finishes
                 held = c.prompt_only or (chat and c.tools is not None)
                 delta, logprobs = "" if held else c.text.push(c.ids, event.text_trim), step_logprobs(c, event)
                 if c.echo is not None and len(c.ids) == len(event.token_ids):  # the first tokens: the prompt first
@@ -430,6 +437,9 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 message, finish = _chat_reply(server, c, cut_text(c.decode(c.output()[0]), c.trim))
                 if c.index in harmony:  # what the channels had not yet sent
                     delta = harmony[c.index].finish(message)
+                elif c.index in hermes:
+                    rest = hermes[c.index].finish(message["content"])
+                    delta = {"content": rest} if rest else {}
                 else:
                     delta = {k: v for k, v in message.items() if k in ("content", "reasoning_content") and v}
                 if message.get("tool_calls"):

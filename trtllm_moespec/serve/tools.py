@@ -21,9 +21,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..detokenize import IncrementalText, cut_text
 from ..engine.structured import StructuredOutput
 
 PARSERS = ("hermes", "harmony")
+_OPEN = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # one harmony message of an assistant's output: a header up to <|message|>, then its text up to the
 # token that ends it (or the end of the output, when max_tokens cut it)
@@ -162,6 +164,37 @@ class HarmonyStream:
             if len(value) > len(self.sent[key]) and value.startswith(self.sent[key]):
                 deltas[key], self.sent[key] = value[len(self.sent[key]):], value
         return deltas
+
+
+class HermesStream:
+    """A chat answer's content as deltas while it grows, under the hermes parser ("auto" tool choice): the
+    text before its first `<tool_call>` block, as `hermes_calls` returns it at the end (stripped: white
+    space at either end waits, and so does text that may begin a block or a stop string). The calls, and
+    any text after them, come with the final message (`finish`)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], hold: int = 0):
+        self.text, self.hold, self.sent = IncrementalText(decode), hold, ""
+
+    def push(self, output_ids: Sequence[int], trim: int = 0) -> str:
+        text = cut_text(self.text.text(output_ids), trim).lstrip()
+        block = text.find(_OPEN)
+        if block < 0:  # hold what may begin a block (or a stop string) once more text comes
+            block = len(text) - max(self.hold, _partial_marker(text, _OPEN))
+        return self._delta(text[:max(block, 0)].rstrip("\ufffd").rstrip())
+
+    def finish(self, content: str | None) -> str:
+        return self._delta(content or "")
+
+    def _delta(self, value: str) -> str:
+        if len(value) <= len(self.sent) or not value.startswith(self.sent):
+            return ""
+        delta, self.sent = value[len(self.sent):], value
+        return delta
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """Characters at the end of `text` that begin `marker` (but are not all of it)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
 def hermes_calls(text: str, names: list[str]) -> tuple[list[ToolCall], str | None]:
