@@ -74,6 +74,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # more tokens that end the output (kept), also with ignore_eos
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be drawn (None: all)
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after top-k); 0 = off
     # The output must match this (JSON, a JSON schema, a regex, a choice, an EBNF grammar; engine/structured.py):
     # e.g. StructuredOutput.of(json_schema={...}). Needs xgrammar and ends at the model's eos.
@@ -107,6 +108,13 @@ class SamplingParams:
             # a complete grammar allows only eos, which these would forbid: nothing could be drawn
             raise ValueError("structured output ends at the model's eos: it cannot be used with ignore_eos or "
                              "min_tokens")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))) or None)
+            if self.structured is not None:  # each restricts the tokens: a grammar's next one might not be allowed
+                raise ValueError("allowed_token_ids cannot be combined with structured output")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
             if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -121,7 +129,7 @@ class SamplingParams:
 
     def logit_rules(self) -> LogitRules:
         return LogitRules(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                          tuple(self.logit_bias or ()), self.min_tokens)
+                          tuple(self.logit_bias or ()), self.min_tokens, self.allowed_token_ids or ())
 
     def config(self) -> SamplingConfig:
         if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool):

@@ -32,9 +32,11 @@ def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], presenc
 
 @torch.no_grad()
 def reference_greedy(target_dir, prompt: list[int], n: int, bias: dict[int, float] | None = None,
-                     stop: tuple[int, ...] = (), min_tokens: int = 0, **penalties) -> list[int]:
+                     stop: tuple[int, ...] = (), min_tokens: int = 0, allowed: tuple[int, ...] = (),
+                     **penalties) -> list[int]:
     """Plain greedy decoding with transformers' forward over the whole context each step: stop tokens
-    masked before min_tokens, then the bias, then the penalties; the output ends at a stop token."""
+    masked before min_tokens, tokens outside `allowed` masked, then the bias, then the penalties; the
+    output ends at a stop token."""
     kwargs = {"attn_implementation": "eager"} if "gpt_oss" in str(target_dir) else {}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, **kwargs)
     out: list[int] = []
@@ -42,6 +44,8 @@ def reference_greedy(target_dir, prompt: list[int], n: int, bias: dict[int, floa
         logits = hf(torch.tensor([prompt + out])).logits[0, -1].clone()
         if len(out) < min_tokens:
             logits[list(stop)] = -torch.inf
+        if allowed:
+            logits[[t for t in range(logits.numel()) if t not in allowed]] = -torch.inf
         for t, b in (bias or {}).items():
             logits[t] += b
         out.append(int(penalize(logits, prompt, out, **penalties).argmax()))
@@ -130,6 +134,24 @@ def test_logit_bias_equals_the_reference_loop(tiny, policy):
         assert max(s.accepted_tokens for s in out.steps) >= 2
 
 
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_allowed_token_ids_equal_the_reference_loop(tiny, policy):
+    """vLLM's allowed_token_ids: greedy output equals decoding with every other token masked, under every
+    policy (the drafter proposes from the allowed tokens too, so trees are still accepted)."""
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    allowed = tuple(sorted(set(plain) - {plain[2]}) + [5, 17, 300])  # the text's tokens but one, and a few others
+    want = reference_greedy(TINY_TARGET, ids, MAX_TOKENS, allowed=allowed)
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed))[0]
+    assert out.token_ids == want and want != plain and set(want) <= set(allowed)
+    if policy == "eagle3":
+        assert max(s.accepted_tokens for s in out.steps) >= 2
+    from trtllm_moespec import StructuredOutput
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined with structured output"):
+        SamplingParams(allowed_token_ids=allowed, structured=StructuredOutput.of(json_object=True))
+
+
 def test_the_drafter_proposes_under_the_same_rules(tiny, monkeypatch):
     """A token the logit bias bans is never drafted with nonzero probability (it was, without the
     rules applied to the drafter), the output is the same either way, and acceptance does not fall."""
@@ -201,7 +223,8 @@ def test_min_p_greedy_is_unchanged_and_sampling_follows_the_filtered_distributio
                                  dict(repetition_penalty=float("inf")), dict(presence_penalty=True),
                                  dict(logit_bias={3: 101}), dict(logit_bias={-1: 1.0}), dict(logit_bias={"3": 1.0}),
                                  dict(min_tokens=-1), dict(min_tokens=1.5), dict(stop_token_ids=[-2]),
-                                 dict(min_p=1.5), dict(min_p=-0.1)])
+                                 dict(min_p=1.5), dict(min_p=-0.1), dict(allowed_token_ids=[-1]),
+                                 dict(allowed_token_ids="ab")])
 def test_bad_logit_rules_are_refused(bad):
     """(case logit-rules-out-of-range)"""
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -212,3 +235,8 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_before_generating(tiny):
     """(case logit-bias-outside-vocab)"""
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny["ar"].generate([PROMPT], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="allowed_token_ids names a token id outside the vocabulary"):
+        tiny["ar"].generate([PROMPT], SamplingParams(allowed_token_ids=[3, 10**6]))
+    eos = tiny["ar"].target.eos_token_ids[0]
+    with pytest.raises(ValueError, match="only stop tokens, which min_tokens bans"):
+        tiny["ar"].generate([PROMPT], SamplingParams(allowed_token_ids=[eos], min_tokens=2))

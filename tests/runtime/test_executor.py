@@ -153,9 +153,9 @@ def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
     assert (more["min_p"], more["min_tokens"], more["stop_token_ids"]) == (0.1, 2, [7])
     with pytest.raises(ValueError, match="logit_bias is not supported by the TensorRT-LLM backend"):
         trtllm_sampling_kwargs(SamplingParams(logit_bias={3: 1.0}))
-    for name in ("logprobs", "prompt_logprobs"):
+    for name, value in (("logprobs", 1), ("prompt_logprobs", 1), ("allowed_token_ids", [3])):
         with pytest.raises(ValueError, match=f"{name} is not supported by the TensorRT-LLM backend"):
-            trtllm_sampling_kwargs(SamplingParams(**{name: 1}))
+            trtllm_sampling_kwargs(SamplingParams(**{name: value}))
     from trtllm_moespec import StructuredOutput
     with pytest.raises(ValueError, match="structured is not supported by the TensorRT-LLM backend"):
         trtllm_sampling_kwargs(SamplingParams(structured=StructuredOutput.of(json_object=True)))

@@ -11,6 +11,7 @@ never change the output.
 
 The rules are vLLM's, in vLLM's order, before temperature, top-k, min-p and top-p:
   min_tokens m:  the stop tokens (eos, stop_token_ids) are banned while the output holds fewer than m tokens
+  allowed ids:   every token outside vLLM's allowed_token_ids is banned
   logit_bias:    a fixed value added to chosen tokens' logits (OpenAI's, in [-100, 100])
   repetition r:  a token of the prompt or the output gets logit / r when its logit is > 0, else logit * r
                  (also transformers' `repetition_penalty`)
@@ -45,6 +46,7 @@ class LogitRules:
     repetition: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
+    allowed: tuple[int, ...] = ()  # vLLM's allowed_token_ids: only these may be drawn (empty: all)
 
     def __post_init__(self) -> None:
         for name in ("presence", "frequency"):
@@ -58,11 +60,13 @@ class LogitRules:
                 raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {token!r}: {bias!r}")
         if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.allowed):
+            raise ValueError(f"allowed_token_ids must be token ids >= 0, got {self.allowed!r}")
 
     @property
     def active(self) -> bool:
         return (self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.logit_bias)
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or bool(self.allowed))
 
 
 def _is_number(x) -> bool:
@@ -81,6 +85,10 @@ class TokenHistory:
                  device: torch.device | str = "cpu"):
         if any(t >= vocab_size for t, _ in rules.logit_bias):
             raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+        if any(t >= vocab_size for t in rules.allowed):
+            raise ValueError(f"allowed_token_ids names a token id outside the vocabulary [0, {vocab_size})")
+        if rules.allowed and rules.min_tokens and set(rules.allowed) <= stop_ids:
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: nothing could be drawn")
         self.rules = rules
         self.num_output = 0
         self.counts = torch.zeros(vocab_size, device=device)  # [V] float32 occurrences in the output
@@ -93,6 +101,10 @@ class TokenHistory:
             for token, value in rules.logit_bias:
                 self.bias[token] = value
         self.stop_ids = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.int64, device=device)
+        self.banned = None  # [V] bool: outside allowed_token_ids, or None when every token is allowed
+        if rules.allowed:
+            self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self.banned[torch.tensor(rules.allowed, dtype=torch.int64, device=device)] = False
 
     def extend(self, tokens: list[int]) -> None:
         """Committed output tokens."""
@@ -115,6 +127,8 @@ class TokenHistory:
             depth = layout.depth[row, :T].to(out.device) if T > 1 else torch.zeros(1, dtype=torch.int64, device=out.device)
             early = (self.num_output + depth) < r.min_tokens  # [T]
             out[:, self.stop_ids] = out[:, self.stop_ids].masked_fill(early[:, None], BANNED_LOGIT)
+        if self.banned is not None:
+            out.masked_fill_(self.banned, BANNED_LOGIT)
         if self.bias is not None:
             out += self.bias
         if r.presence != 0 or r.frequency != 0 or r.repetition != 1:
@@ -131,6 +145,8 @@ class TokenHistory:
             early = torch.tensor([self.num_output + len(p) < r.min_tokens for p in paths], device=out.device)
             stop_cols = torch.isin(vocab, self.stop_ids)
             out[:, stop_cols] = out[:, stop_cols].masked_fill(early[:, None], BANNED_LOGIT)
+        if self.banned is not None:
+            out.masked_fill_(self.banned[vocab], BANNED_LOGIT)
         if self.bias is not None:
             out += self.bias[vocab]
         if r.presence == 0 and r.frequency == 0 and r.repetition == 1:

@@ -235,10 +235,10 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
     presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None;
     `stop`, `include_stop_str_in_output`, `ignore_eos` and `skip_special_tokens` have keywords of the same
     names and meaning.
-    A logit bias has no keyword there (only a [vocab] `embedding_bias` tensor), structured output
+    A logit bias and allowed token ids have no keyword there (only a [vocab] `embedding_bias` tensor), structured output
     needs the LLM built with a guided-decoding backend, and logprobs are not read back from its
     outputs here: all refused rather than silently dropped."""
-    for name in ("logit_bias", "structured"):
+    for name in ("logit_bias", "structured", "allowed_token_ids"):
         if getattr(params, name):
             raise ValueError(f"{name} is not supported by the TensorRT-LLM backend; use the PyTorch engine")
     for name in ("logprobs", "prompt_logprobs"):
