@@ -3,7 +3,9 @@
 1. `moespec::select_tree` timings per mode on the device (64-node trees, 48 x 128 experts).
 2. AR tokens/s on moespec-tiny: our engine (lean forward) vs transformers `generate` (eager).
 3. ar and eagle3 tokens/s of the engine on moespec-tiny with CUDA graphs on vs off (interleaved),
-   and whether both produce the same greedy tokens.
+   and whether both produce the same greedy tokens; bf16 on the GPU, the dtype served models run in
+   and the one torch's grouped GEMM has a device-only kernel for (in fp32 a verify's experts run as
+   `models/moe.py`'s gathered matmul instead, since torch's reads the group offsets on the host).
 4. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
    512-token prefix, eager and replayed from the verify-length bucket's CUDA graph, on a
    random-weight model with Qwen3-30B-A3B's shapes (bf16, 48 layers, 128 experts, top-8).
@@ -107,17 +109,20 @@ def ar_tokens_per_s(device: torch.device, tokens: int, repeats: int) -> dict:
 
 def graph_speed(device: torch.device, tokens: int, repeats: int) -> list[dict]:
     """Engine tokens/s with the verify forward replayed from CUDA graphs vs eager, per policy,
-    interleaved; on the CPU smoke run the "graphs" side is the static-shape forward they capture."""
+    interleaved (bf16 on the GPU, see the module docstring); on the CPU smoke run the "graphs" side
+    is the static-shape forward they capture."""
     from trtllm_moespec import LLM, SamplingParams
     from trtllm_moespec.models.cuda_graphs import verify_buckets
 
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
     rows = []
     for policy in ("ar", "eagle3"):
-        on = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=device.type == "cuda",
+        on = LLM("moespec-tiny", policy=policy, device=str(device), dtype=dtype, cuda_graphs=device.type == "cuda",
                  override_profile=True)
         if device.type != "cuda":
             on.target.use_verify_runner("static", verify_buckets(on.tree.max_draft_tokens))
-        off = LLM("moespec-tiny", policy=policy, device=str(device), cuda_graphs=False, override_profile=True)
+        off = LLM("moespec-tiny", policy=policy, device=str(device), dtype=dtype, cuda_graphs=False,
+                  override_profile=True)
         ids = on.encode(["def fibonacci(n):\n"])[0]
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         first = {name: llm.generate([ids], params)[0].token_ids for name, llm in (("on", on), ("off", off))}
@@ -125,7 +130,7 @@ def graph_speed(device: torch.device, tokens: int, repeats: int) -> list[dict]:
         for _ in range(repeats):  # interleaved
             for name, llm in (("on", on), ("off", off)):
                 speed[name].append(llm.generate([ids], params)[0].stats.tokens_per_s)
-        rows.append(dict(policy=policy, graphs_tokens_per_s=statistics.median(speed["on"]),
+        rows.append(dict(policy=policy, dtype=dtype, graphs_tokens_per_s=statistics.median(speed["on"]),
                          eager_tokens_per_s=statistics.median(speed["off"]), same_tokens=first["on"] == first["off"],
                          runner=on.target.verify_runner))
     return rows
@@ -284,7 +289,7 @@ def _print_ar(ar: dict) -> None:
 
 def _print_graph_speed(rows: list[dict]) -> None:
     for row in rows:
-        print(f"  moespec-tiny {row['policy']}: graphs {row['graphs_tokens_per_s']:.1f} tok/s, eager "
+        print(f"  moespec-tiny {row['policy']} ({row['dtype']}): graphs {row['graphs_tokens_per_s']:.1f} tok/s, eager "
               f"{row['eager_tokens_per_s']:.1f} tok/s, same tokens: {row['same_tokens']} (runner {row['runner']})")
 
 

@@ -7,9 +7,10 @@
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   OUT=/tmp/smoke bash benchmarks/gpu_check.sh --cpu-smoke  # tiny shapes on CPU (CI runs this)
 #
-# TEST_TIMEOUT / MEASURE_TIMEOUT (seconds, default 75 / 200) bound each pytest run and the
-# measurements, so the whole script stays under 6 minutes (the batch sweep, last, skips the batch sizes it
-# cannot start 30 s before MEASURE_TIMEOUT). Exit status 1 if a test, a measurement or the sweep's exactness check fails.
+# TEST_TIMEOUT / MEASURE_TIMEOUT (seconds, default 75 / 200; a pytest run that ignores the interrupt
+# is killed 5 s later) bound each pytest run and the measurements, so the whole script stays under
+# 6 minutes (the batch sweep, last, skips the batch sizes it cannot start 30 s before MEASURE_TIMEOUT).
+# Exit status 1 if a test, a measurement or the sweep's exactness check fails.
 # Nothing is installed from the network: the project is used in place through PYTHONPATH
 # (the GPU machine already has torch, triton and transformers). The CUDA tests need pytest: where the
 # machine has none, runs/gpu_deps (made here by `bash benchmarks/gpu_deps.sh`, carried along) is used.
@@ -22,12 +23,15 @@ mkdir -p "$OUT"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3 || echo python)}"  # images often ship python3 only
 status=0
 
 run_tests() {  # name, then pytest arguments; writes $OUT/tests_<name>.txt and keeps going on failure
   local name="$1"; shift
-  timeout "${TEST_TIMEOUT:-75}" "$PY" -m pytest -q -p no:randomly -p no:cacheprovider "$@" >"$OUT/tests_$name.txt" 2>&1
+  # SIGINT, not timeout's default SIGTERM: pytest then still writes the failures so far, the summary
+  # (-rA: every test's outcome) and where it hung; -k 5 kills it if a CUDA call does not return.
+  timeout -s INT -k 5 "${TEST_TIMEOUT:-75}" "$PY" -m pytest -o addopts= -q -rA -p no:randomly -p no:cacheprovider "$@" \
+    >"$OUT/tests_$name.txt" 2>&1
   local rc=$?
   echo "tests $name: exit $rc ($(tail -n 1 "$OUT/tests_$name.txt"))"
   [[ $rc -ne 0 && $rc -ne 5 ]] && status=1

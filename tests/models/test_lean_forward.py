@@ -223,3 +223,24 @@ def test_looped_experts_equal_the_grouped_gemm(arch, num_tokens):
     looped = routed_experts(x, ids, weights, experts, looped=True)
     torch.testing.assert_close(looped, grouped, atol=1e-6, rtol=0)
     assert looped.abs().sum() > 0  # the layer really computed something
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_the_gathered_matmul_equals_the_grouped_gemm(arch, monkeypatch):
+    """On CUDA, where torch's grouped GEMM reads its group offsets on the host (any dtype but bf16 on
+    sm90/sm100), a verify forward runs each (token, expert) pair as one batched matmul over gathered
+    expert weights, so a CUDA graph can capture it. Run here on CPU tensors: the same layer output."""
+    from trtllm_moespec.models import moe
+    from trtllm_moespec.models.moe import gpt_oss_weights, qwen3_moe_weights, route, routed_experts
+
+    config = qwen3_moe_config() if arch == "qwen3_moe" else gpt_oss_config()
+    mlp = build_hf(config).model.layers[0].mlp
+    router, experts = gpt_oss_weights(mlp) if arch == "gpt_oss" else qwen3_moe_weights(mlp)
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids, weights = route(x, router)
+    grouped = routed_experts(x, ids, weights, experts, looped=False)
+    calls, matmul = [], moe.gathered_matmul
+    monkeypatch.setattr(moe, "_gathers", lambda weight, pairs: True)  # the CUDA branch, on CPU tensors
+    monkeypatch.setattr(moe, "gathered_matmul", lambda x, w, e: calls.append(len(e)) or matmul(x, w, e))
+    torch.testing.assert_close(routed_experts(x, ids, weights, experts, looped=False), grouped, atol=1e-5, rtol=0)
+    assert calls == [ids.numel(), ids.numel()]  # gate_up and down both gathered

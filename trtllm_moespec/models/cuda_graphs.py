@@ -221,17 +221,75 @@ def warn_fallback(error: BaseException, forward: str = "verify forward") -> None
 def _capture_graph(call, pool) -> tuple[object, object]:
     """(graph, its static outputs) of `call()`: two warm-up runs on a side stream (allocator, lazy
     inits, tables), then the capture into `pool`. The warm-ups run the call for real: callers
-    capture only calls whose side effects the replay repeats identically (same inputs)."""
+    capture only calls whose side effects the replay repeats identically (same inputs).
+
+    The second warm-up runs with torch's sync debug mode set to "error": an op that reads the
+    device from the host (`.item()`, `.cpu()`, `nonzero`; e.g. torch's grouped_mm outside its
+    bf16 sm90/sm100 kernel copies the group offsets to the host) raises there, before any capture,
+    instead of inside it. A capture that fails anyway is unwound (`_abandon_capture`)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            call()  # first use: lazy inits (tables, handles, kernel builds) may synchronise here
+            _run_without_host_syncs(call)
+    finally:  # also on failure: the eager fallback must not race the warm-ups' writes
+        torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = call()
+    caller = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = call()
+    except BaseException:
+        _abandon_capture(graph, caller, pool)
+        raise
     return graph, out
+
+
+def _run_without_host_syncs(call) -> None:
+    """call() with every host synchronisation an error ("called a synchronizing CUDA operation"):
+    a capture could not hold it."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _abandon_capture(graph, caller_stream, pool) -> None:
+    """Undo what a failed capture leaves behind, so that the eager fallback and later captures run
+    normally. torch (2.11 and earlier) raises out of `capture_end` before it ends the capture's
+    routing of allocations to the graph's pool (a later `empty_cache`, which every capture calls,
+    then fails torch's assert that no capture is underway), before `torch.cuda.graph` gives the
+    caller its stream back, and before the CUDA RNG states registered with the graph leave capture
+    mode (where that mode is one flag, later eager random ops then raise). Best effort: on versions
+    that clean up themselves each step is a no-op."""
+    _end_capture_state(graph, caller_stream, pool)
+    closing = graph
+    try:  # a capture that ends normally takes the RNG out of the capture mode the failed one left
+        scratch = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        closing = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(closing, pool=pool):
+            scratch.add_(1)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
+        _end_capture_state(closing, caller_stream, pool)
+
+
+def _end_capture_state(graph, caller_stream, pool) -> None:
+    """The caller's stream back, and allocations no longer routed to the capture's pool."""
+    try:
+        torch.cuda.set_stream(caller_stream)
+    except Exception:  # noqa: BLE001
+        pass
+    end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end_routing is None:
+        return
+    try:
+        end_routing(torch.cuda.current_device(), pool if pool is not None else graph.pool())
+    except Exception:  # noqa: BLE001 (not routed any more: torch ended it)
+        pass
 
 
 def _drafter_tables(drafter) -> tuple:

@@ -19,6 +19,7 @@ the transformers module itself: dequantization stays transformers' job.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,8 +148,35 @@ def _expert_runs(sorted_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+# Up to this many (token, expert) pairs, CUDA computes a grouped GEMM that torch cannot run on the device
+# alone as one batched matmul over each pair's gathered expert weight (pairs x H x N elements of scratch:
+# 64 MB for moespec-tiny in float32 at this bound; a verify of 33 tokens is 132 pairs).
+GATHERED_MAX_PAIRS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_reads_host(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does torch's CUDA grouped GEMM read the group offsets on the host here? Its device-only kernel
+    is bf16 on sm90 / sm100 (torch's native grouped GEMM, torch 2.9-2.11); other dtypes and GPUs take
+    a fallback that loops over `offs.cpu()`, a host read a CUDA graph capture cannot hold."""
+    return dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)
+
+
+def gathered_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """x [S, H] @ weight[expert_ids[s]] [H, N] for every row s: one batched matmul, no host read."""
+    return torch.bmm(x.to(weight.dtype)[:, None], weight.index_select(0, expert_ids))[:, 0]
+
+
+def _gathers(weight: torch.Tensor, pairs: int) -> bool:
+    """Run a grouped GEMM as `gathered_matmul`: on CUDA, for few pairs, where torch's would read the host."""
+    return (weight.is_cuda and pairs <= GATHERED_MAX_PAIRS
+            and (_grouped_mm is None or _grouped_mm_reads_host(weight.device, weight.dtype)))
+
+
 def _grouped_linear(x, weight, offsets, bias, sorted_ids):
-    if _grouped_mm is not None:
+    if _gathers(weight, x.shape[0]):
+        out = gathered_matmul(x, weight, sorted_ids)  # no host read: the verify forwards CUDA graphs capture
+    elif _grouped_mm is not None:
         out = _grouped_mm(x.to(weight.dtype), weight, offs=offsets)
     else:  # torch without grouped GEMM: one matmul per expert that got tokens
         out = x.new_empty(x.shape[0], weight.shape[-1])
