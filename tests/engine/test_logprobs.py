@@ -34,6 +34,8 @@ def _check(out, ref: torch.Tensor, top_n: int) -> None:
     for e, v, i in zip(out.logprobs, values, ids):
         assert [t for t, _ in e.top] == i.tolist()
         torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), v, atol=ATOL, rtol=0)
+    # rank: 1 + the tokens more likely than the chosen one (a greedy token's is 1)
+    assert [e.rank for e in out.logprobs] == ((ref > chosen[:, None] + ATOL).sum(-1) + 1).tolist()
 
 
 @pytest.fixture(scope="module")

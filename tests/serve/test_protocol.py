@@ -194,7 +194,7 @@ def test_fields_that_change_nothing_are_accepted():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("bad_words", ["x"]), ("prompt_logprobs", 1), ("length_penalty", 0.5),
+    ("bad_words", ["x"]), ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("guided_whitespace_pattern", " "), ("chat_template", "{{ x }}"),
     ("modalities", ["text", "audio"]), ("function_call", {"name": "f"}), ("early_stopping", True),
 ])
@@ -244,3 +244,16 @@ def test_bad_chat_template_and_output_fields_name_the_field(extra, param):
     with pytest.raises(BadRequest) as e:
         parse_chat({**CHAT, **extra})
     assert e.value.param == param
+
+
+def test_prompt_logprobs_ask_the_prefill_for_them():
+    req = parse_completion({"prompt": "a", "prompt_logprobs": 2})
+    assert req.prompt_logprobs == req.params.prompt_logprobs == 2 and req.params.logprobs is None
+    both = parse_completion({"prompt": "a", "prompt_logprobs": 1, "echo": True, "logprobs": 1})
+    assert both.prompt_logprobs == both.params.prompt_logprobs == 1
+    assert parse_chat({**CHAT, "prompt_logprobs": 0}).params.prompt_logprobs == 0
+    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": "1"}, {"prompt_logprobs": 1, "stream": True},
+                  {"prompt_logprobs": 2, "echo": True, "logprobs": 1}):
+        with pytest.raises(BadRequest) as e:
+            parse_completion({"prompt": "a", **extra})
+        assert e.value.param == "prompt_logprobs"

@@ -657,3 +657,33 @@ def test_truncated_prompts_and_special_tokens_in_the_text(tiny_llm):
     assert truncated.json()["choices"][0]["text"] == want and truncated.json()["usage"]["prompt_tokens"] == 3
     assert skipped.json()["choices"][0]["text"] == ""
     assert kept.json()["choices"][0]["text"] == raw == streamed
+
+
+def test_prompt_logprobs_come_back_in_vllms_shape(tiny_llm):
+    """vLLM's prompt_logprobs: per prompt token (None first) its logprob, rank and text, with the most likely
+    alternatives; equal to `SamplingParams(prompt_logprobs=2)`. Completions per choice, chat at the top."""
+    out = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    chat_ids = list(tiny_llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=TEMPLATE,
+                                                           add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(
+                client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0,
+                                                     "prompt_logprobs": 2}),
+                client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}))
+
+    with ServerThread(tiny_llm, max_batch_size=2, chat_template=TEMPLATE) as server:
+        completion, chat = (r.json() for r in _run(clients(server.url)))
+    got = completion["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(out.prompt_token_ids) and got[0] is None
+    for entry, want, token in zip(got[1:], out.prompt_logprobs[1:], out.prompt_token_ids[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == want.rank >= 1
+        assert entry[str(token)]["decoded_token"] == tiny_llm.tokenizer.decode([token])
+        for r, (t, lp) in enumerate(want.top):
+            assert entry[str(t)]["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert entry[str(t)]["rank"] == (want.rank if t == token else r + 1)
+    assert len(chat["prompt_logprobs"]) == len(chat_ids) and chat["usage"]["prompt_tokens"] == len(chat_ids)
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # the prompt's token alone (0 alternatives)

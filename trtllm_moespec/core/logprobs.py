@@ -29,6 +29,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob) of the n most likely tokens, most likely first
+    rank: int = 1  # 1 + how many tokens are more likely than this one (vLLM's `rank`)
 
 
 def emitted_positions(result: VerifyResult) -> torch.Tensor:
@@ -44,13 +45,14 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> li
         raise ValueError(f"{logits.shape[0]} logit rows for {len(token_ids)} tokens")
     logp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
     ids = torch.tensor(token_ids, device=logp.device)
-    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    chosen_logp = logp.gather(1, ids[:, None])  # [P, 1]
+    chosen, ranks = chosen_logp[:, 0].tolist(), ((logp > chosen_logp).sum(-1) + 1).tolist()
     if top_n:
         values, indices = logp.topk(top_n, dim=-1)
         top = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
     else:
         top = [()] * len(token_ids)
-    return [TokenLogprob(t, c, k) for t, c, k in zip(token_ids, chosen, top)]
+    return [TokenLogprob(t, c, k, r) for t, c, k, r in zip(token_ids, chosen, top, ranks)]
 
 
 PROMPT_LOGPROBS_CHUNK = 512  # prompt positions per log_softmax: bounds the extra memory to a [512, V] block

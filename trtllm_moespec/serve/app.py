@@ -49,6 +49,7 @@ class _Choice:
     prompt_only: bool = False  # echo with max_tokens=0: the request's one token (from the prefill) is not returned
     tools: Tools | None = None  # chat with tools: its finished text is parsed for calls (tools.py)
     decode: Callable[[Sequence[int]], str] | None = None  # its output's text (with or without special tokens)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt's returned with the response
 
     def output(self) -> tuple[list[int], list[TokenLogprob]]:
         """The returned output tokens and their logprobs (once finished)."""
@@ -101,7 +102,7 @@ class Server:
                 choices.append(_Choice(len(choices), request, TextStream(decode, params.stop), counts_prompt=j == 0,
                                        echo=echo, prompt_only=req.max_tokens == 0,
                                        tools=req.tools if req.tools is not None and req.tools.choice != "none" else None,
-                                       decode=decode))
+                                       decode=decode, prompt_logprobs=req.prompt_logprobs is not None))
         return choices
 
     def _chat_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
@@ -303,10 +304,26 @@ def _final(server: Server, choices: list[_Choice], rid: str, created: int, chat:
             out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            if c.prompt_logprobs:
+                out[-1]["prompt_logprobs"] = _prompt_logprobs(server, c.request)
     prompt = sum(len(c.request.prompt_ids) for c in choices if c.counts_prompt)
     completion = sum(len(c.output()[0]) for c in choices)
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": server.model_name, "choices": out, "usage": usage(prompt, completion)}
+    if chat and choices[0].prompt_logprobs:  # vLLM's place for a chat's (one prompt)
+        body["prompt_logprobs"] = _prompt_logprobs(server, choices[0].request)
+    return body
+
+
+def _prompt_logprobs(server: Server, request: Request) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first, which has no context) a map from
+    token id to its logprob, rank and text, for the prompt's token and the most likely alternatives."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": server.decode([token_id])}
+
+    return [None, *({**dict(entry(t, lp, r + 1) for r, (t, lp) in enumerate(e.top)),
+                     **dict([entry(e.token_id, e.logprob, e.rank)])} for e in request.prompt_token_logprobs)]
 
 
 def _chat_reply(server: Server, c: _Choice, text: str) -> tuple[dict, str | None]:

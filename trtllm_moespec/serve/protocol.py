@@ -10,7 +10,7 @@ refused with a 400 naming the field rather than silently ignored; fields that do
 change the output (`user`, ...) are ignored, and a field neither list knows is refused (as OpenAI's
 API refuses it). vLLM's `skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
 `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `reasoning_effort` and
-`allowed_token_ids` and OpenAI's `parallel_tool_calls` are applied. `n` > 1 makes n requests of each prompt (choice j
+`allowed_token_ids`, `prompt_logprobs` and OpenAI's `parallel_tool_calls` are applied. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
 chat: `logprobs` + `top_logprobs`) is served with and without streaming; completions' `echo` returns the
 prompt before the completion, and with `logprobs` the prompt tokens' logprobs too (the first one null).
@@ -33,7 +33,7 @@ from .tools import ToolError, Tools, parse_tools
 _UNSUPPORTED = (
     ("best_of", (None, 1)), ("suffix", (None, "")), ("use_beam_search", (None, False)), ("functions", (None, [])),
     ("function_call", (None, "none", "auto")), ("length_penalty", (None, 1, 1.0)), ("early_stopping", (None, False)),
-    ("bad_words", (None, [])), ("prompt_logprobs", (None,)),
+    ("bad_words", (None, [])),
     ("spaces_between_special_tokens", (None, True)), ("guided_decoding_backend", (None, "xgrammar", "auto")),
     ("guided_whitespace_pattern", (None,)), ("modalities", (None, ["text"])), ("audio", (None,)),
     ("chat_template", (None,)),  # a template in the request runs the sender's Jinja: the server's --chat-template only
@@ -45,7 +45,7 @@ _SAMPLING = ("model", "n", "stream", "stream_options", "max_tokens", "temperatur
              "stop", "include_stop_str_in_output", "ignore_eos", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "response_format",
              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-             "skip_special_tokens", "truncate_prompt_tokens", "allowed_token_ids")
+             "skip_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs")
 # Every field each endpoint knows: applied, refused at a value it cannot honour, or ignored. Any other is refused
 # (as OpenAI's API refuses it): a field this server does not know might change the output, and must not be dropped.
 _KNOWN_COMPLETION = frozenset((*_SAMPLING, *_IGNORED, *(n for n, _ in _UNSUPPORTED), "prompt", "echo",
@@ -96,6 +96,7 @@ class GenerationRequest:
     # chat: keywords of the chat template (vLLM's chat_template_kwargs, add_generation_prompt,
     # continue_final_message, and reasoning_effort for GPT-OSS's template)
     template_kwargs: tuple[tuple[str, Any], ...] = (("add_generation_prompt", True),)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (and this many alternatives) returned
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -205,6 +206,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and not (_is_int(truncate) and truncate >= 1):
         raise BadRequest(f"'truncate_prompt_tokens' must be an integer >= 1, got {truncate!r}", "truncate_prompt_tokens")
+    prompt_logprobs = _prompt_logprobs(body, logprobs if echo else None, stream)
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body),
@@ -222,7 +224,8 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, include_stop_str_in_output=keep_stop,
                                 skip_special_tokens=skip_special, logprobs=logprobs,
-                                prompt_logprobs=logprobs if echo else None, **rules)
+                                prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else (
+                                    logprobs if echo else None), **rules)
     except ValueError as e:  # the message begins with the field's name
         name = str(e).split()[0]
         raise BadRequest(str(e), name if name in body else None) from None
@@ -230,7 +233,21 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
                              bool((options or {}).get("include_usage", False)), n, echo, tools, truncate,
-                             add_special_tokens, template_kwargs)
+                             add_special_tokens, template_kwargs, prompt_logprobs)
+
+
+def _prompt_logprobs(body: dict, echoed: int | None, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: the alternatives per prompt token (None: not asked)."""
+    n = body.get("prompt_logprobs")
+    if n is None:
+        return None
+    if not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+        raise BadRequest(f"'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {n!r}", "prompt_logprobs")
+    if stream:
+        raise BadRequest("'prompt_logprobs' is returned with the whole response: not with stream=true", "prompt_logprobs")
+    if echoed is not None and echoed != n:  # one prefill computes both, with one number of alternatives
+        raise BadRequest("'prompt_logprobs' with echo and logprobs must equal 'logprobs'", "prompt_logprobs")
+    return n
 
 
 @dataclass(frozen=True)
