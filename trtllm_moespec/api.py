@@ -75,6 +75,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # more tokens that end the output (kept), also with ignore_eos
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be drawn (None: all)
+    bad_words: tuple[str, ...] | None = None  # vLLM's: words never completed (as tokenized alone and after a space)
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after top-k); 0 = off
     # The output must match this (JSON, a JSON schema, a regex, a choice, an EBNF grammar; engine/structured.py):
     # e.g. StructuredOutput.of(json_schema={...}). Needs xgrammar and ends at the model's eos.
@@ -115,6 +116,11 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))) or None)
             if self.structured is not None:  # each restricts the tokens: a grammar's next one might not be allowed
                 raise ValueError("allowed_token_ids cannot be combined with structured output")
+        if self.bad_words is not None:
+            words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
+            object.__setattr__(self, "bad_words", words or None)
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
             if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -374,6 +380,8 @@ class LLM:
         stop_ids = frozenset() if params.ignore_eos else frozenset(self.target.eos_token_ids)
         stop_ids = stop_ids | frozenset(params.stop_token_ids or ())
         rules = params.logit_rules()
+        if params.bad_words:
+            rules = replace(rules, bad_words=self.bad_word_ids(params.bad_words))
         history = TokenHistory(rules, ids, self.target.vocab_size, stop_ids, self.target.device) if rules.active else None
         grammar = None
         if params.structured is not None:
@@ -381,6 +389,15 @@ class LLM:
         return Request(ids, params.config(), params.max_tokens, generator, stop_ids, self._stop_check(params),
                        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, history=history,
                        grammar=grammar)
+
+    def bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word tokenized alone and after a space (at the start
+        of the text and inside it BPE tokenizes a word differently), distinct sequences once each."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none")
+        variants = (self.tokenizer.encode(prefix + w.lstrip(), add_special_tokens=False)
+                    for w in words for prefix in ("", " "))
+        return tuple(dict.fromkeys(tuple(ids) for ids in variants if ids))
 
     def _grammars(self) -> GrammarCompiler:
         """The model's grammar compiler, made on first use (it reads the whole vocabulary)."""

@@ -33,7 +33,7 @@ def penalize(logits: torch.Tensor, prompt: list[int], output: list[int], presenc
 @torch.no_grad()
 def reference_greedy(target_dir, prompt: list[int], n: int, bias: dict[int, float] | None = None,
                      stop: tuple[int, ...] = (), min_tokens: int = 0, allowed: tuple[int, ...] = (),
-                     **penalties) -> list[int]:
+                     bad: tuple[tuple[int, ...], ...] = (), **penalties) -> list[int]:
     """Plain greedy decoding with transformers' forward over the whole context each step: stop tokens
     masked before min_tokens, tokens outside `allowed` masked, then the bias, then the penalties; the
     output ends at a stop token."""
@@ -46,6 +46,10 @@ def reference_greedy(target_dir, prompt: list[int], n: int, bias: dict[int, floa
             logits[list(stop)] = -torch.inf
         if allowed:
             logits[[t for t in range(logits.numel()) if t not in allowed]] = -torch.inf
+        context = prompt + out
+        for word in bad:  # its last token, where the context ends with the rest of it
+            if len(word) == 1 or context[-(len(word) - 1):] == list(word[:-1]):
+                logits[word[-1]] = -torch.inf
         for t, b in (bias or {}).items():
             logits[t] += b
         out.append(int(penalize(logits, prompt, out, **penalties).argmax()))
@@ -150,6 +154,26 @@ def test_allowed_token_ids_equal_the_reference_loop(tiny, policy):
     from trtllm_moespec import StructuredOutput
     with pytest.raises(ValueError, match="allowed_token_ids cannot be combined with structured output"):
         SamplingParams(allowed_token_ids=allowed, structured=StructuredOutput.of(json_object=True))
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3"])
+def test_bad_words_equal_the_reference_loop(tiny, policy):
+    """vLLM's bad_words: each word (tokenized alone and after a space) is never completed; greedy output
+    equals decoding that bans a word's last token wherever the context ends with the rest of it, also
+    inside speculated trees (each position under its own path)."""
+    llm = tiny[policy]
+    ids = llm.encode([PROMPT])[0]
+    plain = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    words = [llm.tokenizer.decode(plain.token_ids[3:5]), llm.tokenizer.decode(plain.token_ids[8:9])]
+    bad = llm.bad_word_ids(words)
+    assert any(len(w) >= 2 for w in bad)  # a multi-token word: its prefix is read from the context
+    want = reference_greedy(TINY_TARGET, ids, MAX_TOKENS, bad=bad)
+    out = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words))[0]
+    assert out.token_ids == want and want != plain.token_ids
+    for word in bad:  # no bad word's tokens appear in a row
+        assert not any(want[i:i + len(word)] == list(word) for i in range(len(want)))
+    if policy == "eagle3":
+        assert max(s.accepted_tokens for s in out.steps) >= 2
 
 
 def test_the_drafter_proposes_under_the_same_rules(tiny, monkeypatch):

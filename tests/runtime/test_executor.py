@@ -145,6 +145,7 @@ def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
     assert (on["top_k"], on["repetition_penalty"], on["presence_penalty"], on["frequency_penalty"]) == (4, 1.2, -0.5, 0.3)
     assert on["stop"] == ("x",) and on["seed"] == 3 and on["return_perf_metrics"]
     assert not off["ignore_eos"] and not off["include_stop_str_in_output"] and off["skip_special_tokens"]
+    assert off["bad"] is None and trtllm_sampling_kwargs(SamplingParams(bad_words=["x y"]))["bad"] == ["x y"]
     kept = trtllm_sampling_kwargs(SamplingParams(stop="x", include_stop_str_in_output=True, ignore_eos=True,
                                                  skip_special_tokens=False))
     assert kept["include_stop_str_in_output"] and kept["ignore_eos"] and not kept["skip_special_tokens"]

@@ -194,7 +194,7 @@ def test_fields_that_change_nothing_are_accepted():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("bad_words", ["x"]), ("length_penalty", 0.5),
+    ("length_penalty", 0.5),
     ("spaces_between_special_tokens", False), ("guided_whitespace_pattern", " "), ("chat_template", "{{ x }}"),
     ("modalities", ["text", "audio"]), ("function_call", {"name": "f"}), ("early_stopping", True),
 ])
@@ -211,6 +211,11 @@ def test_vllm_output_and_prompt_fields_reach_the_request():
     assert not req.params.skip_special_tokens and req.truncate_prompt_tokens == 3 and req.add_special_tokens
     assert req.params.include_stop_str_in_output
     assert parse_completion({"prompt": "a"}).params.skip_special_tokens
+    assert parse_completion({"prompt": "a", "bad_words": ["foo", " bar"]}).params.bad_words == ("foo", " bar")
+    for bad in ("foo", [""], [3]):
+        with pytest.raises(BadRequest) as e:
+            parse_completion({"prompt": "a", "bad_words": bad})
+        assert e.value.param == "bad_words"
     allowed = parse_completion({"prompt": "a", "allowed_token_ids": [7, 3, 7]}).params
     assert allowed.allowed_token_ids == (3, 7) and allowed.logit_rules().allowed == (3, 7)
     for bad in (5, ["a"], [-1]):

@@ -12,6 +12,7 @@ never change the output.
 The rules are vLLM's, in vLLM's order, before temperature, top-k, min-p and top-p:
   min_tokens m:  the stop tokens (eos, stop_token_ids) are banned while the output holds fewer than m tokens
   allowed ids:   every token outside vLLM's allowed_token_ids is banned
+  bad words:     a bad word's last token is banned where the context ends with the rest of it (vLLM's)
   logit_bias:    a fixed value added to chosen tokens' logits (OpenAI's, in [-100, 100])
   repetition r:  a token of the prompt or the output gets logit / r when its logit is > 0, else logit * r
                  (also transformers' `repetition_penalty`)
@@ -47,6 +48,7 @@ class LogitRules:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
     allowed: tuple[int, ...] = ()  # vLLM's allowed_token_ids: only these may be drawn (empty: all)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences that may not be completed (vLLM's bad_words)
 
     def __post_init__(self) -> None:
         for name in ("presence", "frequency"):
@@ -62,11 +64,21 @@ class LogitRules:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not all(_is_int(t) and t >= 0 for t in self.allowed):
             raise ValueError(f"allowed_token_ids must be token ids >= 0, got {self.allowed!r}")
+        if not all(word and all(_is_int(t) and t >= 0 for t in word) for word in self.bad_words):
+            raise ValueError(f"bad_words must be non-empty token-id sequences, got {self.bad_words!r}")
 
     @property
     def active(self) -> bool:
         return (self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.logit_bias)
-                or self.min_tokens > 0 or bool(self.allowed))
+                or self.min_tokens > 0 or bool(self.allowed) or bool(self.bad_words))
+
+
+def _draft_paths(layout: TreeLayout | None, row: int, T: int) -> list[list[int]]:
+    """Per layout position of request `row`, the draft tokens on its path from the root (the root's: none)."""
+    if T == 1:
+        return [[]]
+    tokens = layout.token_ids[row].tolist()
+    return [[tokens[p] for p in path[1:] if p >= 0] for path in layout.paths[row, :T].tolist()]
 
 
 def _is_number(x) -> bool:
@@ -105,6 +117,11 @@ class TokenHistory:
         if rules.allowed:
             self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self.banned[torch.tensor(rules.allowed, dtype=torch.int64, device=device)] = False
+        if any(t >= vocab_size for word in rules.bad_words for t in word):
+            raise ValueError(f"bad_words holds a token id outside the vocabulary [0, {vocab_size})")
+        # the last tokens of prompt + output that a bad word's prefix may end with
+        self.keep = max((len(w) for w in rules.bad_words), default=1) - 1
+        self.tail = list(prompt_ids[-self.keep:]) if self.keep else []
 
     def extend(self, tokens: list[int]) -> None:
         """Committed output tokens."""
@@ -114,6 +131,15 @@ class TokenHistory:
             self.counts.index_put_((ids,), torch.ones(len(tokens), device=ids.device), accumulate=True)
             self.seen[ids] = True
             self.seen_ids = self.seen.nonzero()[:, 0]
+            if self.keep:
+                self.tail = (self.tail + list(tokens))[-self.keep:]
+
+    def bad_word_ends(self, path: list[int]) -> list[int]:
+        """The tokens bad words ban after the history followed by `path` (draft tokens): each word's last
+        token, where that context ends with the rest of the word."""
+        context = self.tail + path
+        return [w[-1] for w in self.rules.bad_words
+                if len(w) == 1 or (len(context) >= len(w) - 1 and context[len(context) - len(w) + 1:] == list(w[:-1]))]
 
     def apply(self, logits: torch.Tensor, layout: TreeLayout | None, row: int = 0) -> torch.Tensor:
         """logits [T, V] at request `row`'s layout positions -> new float32 logits [T, V], each position
@@ -129,6 +155,11 @@ class TokenHistory:
             out[:, self.stop_ids] = out[:, self.stop_ids].masked_fill(early[:, None], BANNED_LOGIT)
         if self.banned is not None:
             out.masked_fill_(self.banned, BANNED_LOGIT)
+        if r.bad_words:
+            for t, path in enumerate(_draft_paths(layout, row, T)):
+                ends = self.bad_word_ends(path)
+                if ends:
+                    out[t, ends] = BANNED_LOGIT
         if self.bias is not None:
             out += self.bias
         if r.presence != 0 or r.frequency != 0 or r.repetition != 1:
@@ -147,6 +178,10 @@ class TokenHistory:
             out[:, stop_cols] = out[:, stop_cols].masked_fill(early[:, None], BANNED_LOGIT)
         if self.banned is not None:
             out.masked_fill_(self.banned[vocab], BANNED_LOGIT)
+        for f, path in enumerate(paths if r.bad_words else ()):
+            ends = self.bad_word_ends(path)
+            if ends:
+                out[f] = out[f].masked_fill(torch.isin(vocab, torch.tensor(ends, device=vocab.device)), BANNED_LOGIT)
         if self.bias is not None:
             out += self.bias[vocab]
         if r.presence == 0 and r.frequency == 0 and r.repetition == 1:

@@ -234,7 +234,7 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
     @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
     presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None;
     `stop`, `include_stop_str_in_output`, `ignore_eos` and `skip_special_tokens` have keywords of the same
-    names and meaning.
+    names and meaning, and `bad_words` is its `bad` ("strings that redirect the generation").
     A logit bias and allowed token ids have no keyword there (only a [vocab] `embedding_bias` tensor), structured output
     needs the LLM built with a guided-decoding backend, and logprobs are not read back from its
     outputs here: all refused rather than silently dropped."""
@@ -251,7 +251,7 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
     return dict(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k or None, seed=params.seed, stop=params.stop, return_perf_metrics=True,
                 include_stop_str_in_output=params.include_stop_str_in_output, ignore_eos=params.ignore_eos,
-                skip_special_tokens=params.skip_special_tokens,
+                skip_special_tokens=params.skip_special_tokens, bad=list(params.bad_words) if params.bad_words else None,
                 repetition_penalty=unless(params.repetition_penalty, 1.0),
                 presence_penalty=unless(params.presence_penalty, 0.0),
                 frequency_penalty=unless(params.frequency_penalty, 0.0),

@@ -10,7 +10,7 @@ refused with a 400 naming the field rather than silently ignored; fields that do
 change the output (`user`, ...) are ignored, and a field neither list knows is refused (as OpenAI's
 API refuses it). vLLM's `skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
 `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `reasoning_effort` and
-`allowed_token_ids`, `prompt_logprobs` and OpenAI's `parallel_tool_calls` are applied. `n` > 1 makes n requests of each prompt (choice j
+`allowed_token_ids`, `bad_words`, `prompt_logprobs` and OpenAI's `parallel_tool_calls` are applied. `n` > 1 makes n requests of each prompt (choice j
 of a seeded request samples with seed + j, so the choices differ and each is reproducible). `logprobs` (completions: how many alternatives;
 chat: `logprobs` + `top_logprobs`) is served with and without streaming; completions' `echo` returns the
 prompt before the completion, and with `logprobs` the prompt tokens' logprobs too (the first one null).
@@ -33,7 +33,6 @@ from .tools import ToolError, Tools, parse_tools
 _UNSUPPORTED = (
     ("best_of", (None, 1)), ("suffix", (None, "")), ("use_beam_search", (None, False)), ("functions", (None, [])),
     ("function_call", (None, "none", "auto")), ("length_penalty", (None, 1, 1.0)), ("early_stopping", (None, False)),
-    ("bad_words", (None, [])),
     ("spaces_between_special_tokens", (None, True)), ("guided_decoding_backend", (None, "xgrammar", "auto")),
     ("guided_whitespace_pattern", (None,)), ("modalities", (None, ["text"])), ("audio", (None,)),
     ("chat_template", (None,)),  # a template in the request runs the sender's Jinja: the server's --chat-template only
@@ -45,7 +44,7 @@ _SAMPLING = ("model", "n", "stream", "stream_options", "max_tokens", "temperatur
              "stop", "include_stop_str_in_output", "ignore_eos", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "response_format",
              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-             "skip_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs")
+             "skip_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "bad_words")
 # Every field each endpoint knows: applied, refused at a value it cannot honour, or ignored. Any other is refused
 # (as OpenAI's API refuses it): a field this server does not know might change the output, and must not be dropped.
 _KNOWN_COMPLETION = frozenset((*_SAMPLING, *_IGNORED, *(n for n, _ in _UNSUPPORTED), "prompt", "echo",
@@ -210,7 +209,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body),
-                 allowed_token_ids=body.get("allowed_token_ids") or None)
+                 allowed_token_ids=body.get("allowed_token_ids") or None, bad_words=_bad_words(body.get("bad_words")))
     calling = tools.constraint() if tools is not None else None
     if calling is not None:
         if rules["structured"] is not None:
@@ -316,6 +315,14 @@ def _stop(stop: Any) -> tuple[str, ...] | None:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     return tuple(stop)
+
+
+def _bad_words(words: Any) -> tuple[str, ...] | None:
+    if words is None or words == []:
+        return None
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise BadRequest("'bad_words' must be a list of non-empty strings", "bad_words")
+    return tuple(words)
 
 
 def _structured(body: dict) -> StructuredOutput | None:
