@@ -106,6 +106,20 @@ def test_all_penalties_batched_equal_the_reference_loop(checkpoints, arch):
         assert [r.output_ids for r in requests] == want, policy
 
 
+def test_allowed_token_ids_batched_equal_the_reference_loop(checkpoints):
+    """A batch mixing a request restricted to every third token with a free one, speculative and plain."""
+    target, draft = checkpoints["qwen3_moe"]
+    prompts = [[5, 17, 33, 2, 9, 100, 4], [7, 7, 8]]
+    allowed = tuple(range(0, 128, 3))
+    want = [reference_greedy(target, prompts[0], 16, allowed=allowed), reference_greedy(target, prompts[1], 16)]
+    for policy in ("eagle3", "ar"):
+        llm = LLM(str(target), draft_model=str(draft), policy=policy)
+        requests = [llm.make_request(prompts[0], SamplingParams(max_tokens=16, ignore_eos=True, allowed_token_ids=allowed)),
+                    llm.make_request(prompts[1], SamplingParams(max_tokens=16, ignore_eos=True))]
+        BatchedEngine(llm.engine, max_batch_size=2).run_all(requests)
+        assert [r.output_ids for r in requests] == want, policy
+
+
 def test_sampled_tokens_follow_the_penalized_distribution(checkpoints, monkeypatch):
     """The first two sampled tokens (the second under the penalty of the first) against the exact
     penalized top-k distribution, through a speculating engine (seeded chi-square, deterministic)."""
