@@ -24,7 +24,7 @@ from .core.logit_rules import LogitRules, TokenHistory
 from .core.policies import POLICIES, SelectionPolicy, make_policy
 from .core.values import VALUE_KINDS
 from .core.sampling import SamplingConfig
-from .detokenize import TextStream, stop_string_check
+from .detokenize import TextStream, cut_text, stop_string_check
 from .engine.config import TreeConfig
 from .engine.engine import Request, SpecEngine
 from .engine.stats import GenerationStats, StepStats
@@ -320,16 +320,35 @@ class LLM:
                                  prefix_cache=PrefixCache(self.target, prefix_cache) if prefix_cache else None)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
-        """Generate for each prompt (str or token-id list); one request at a time."""
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+                 max_batch_size: int = 16) -> list[RequestOutput]:
+        """Generate for each prompt (str or token-id list). Several prompts are decoded together, up to
+        `max_batch_size` at once, one target forward per step for all of them (engine/batch.py:
+        continuous batching; each greedy output is the one decoding it alone gives, sampling keeps its
+        distribution). `max_batch_size=1`, an expert-parallel engine or an analysis-only policy
+        decodes them one at a time."""
+        if not _is_int(max_batch_size) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         params = sampling_params or SamplingParams()
         batch = self.encode(prompts)
+        if len(batch) > 1 and max_batch_size > 1 and self.engine.placement is None and not self.engine.policy.needs_target:
+            return self._generate_batched(batch, params, max_batch_size, use_tqdm)
         outputs = []
         for ids in tqdm(batch, desc="generate", disable=not use_tqdm):
             events = list(self._events(ids, params))
             outputs.append(events[-1].output)
         return outputs
+
+    def _generate_batched(self, batch: list[list[int]], params: SamplingParams, max_batch_size: int,
+                          use_tqdm: bool) -> list[RequestOutput]:
+        from .engine.batch import BatchedEngine
+
+        requests = [self.make_request(ids, params) for ids in batch]
+        engine = BatchedEngine(self.engine, min(max_batch_size, len(requests)))
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            engine.run_all(requests, on_finish=lambda _: bar.update(1))
+        decode = self.decoder(params.skip_special_tokens)
+        return [RequestOutput.of(r, cut_text(decode(r.output_ids), r.stop_trim)) for r in requests]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Yield text as tokens are committed; the last event carries the RequestOutput."""

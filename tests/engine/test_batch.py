@@ -322,3 +322,26 @@ def test_joint_batch_sampling_keeps_the_target_distribution(checkpoints):
     stat, dof = chi_square(counts, exact, trials)
     # 99.9% quantile of chi-square: about dof + 3.1 sqrt(2 dof) + 5 for the dof here (<= 27 cells).
     assert stat < dof + 3.1 * np.sqrt(2 * dof) + 5, (stat, dof, counts)
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "joint"])
+def test_llm_generate_decodes_several_prompts_together_as_one_by_one(policy, monkeypatch):
+    """`LLM.generate` with several prompts runs them through the batched engine (fewer prompts than
+    `max_batch_size` and more): the same tokens, text (a stop string's cut applied), finish reasons and
+    logprobs as `max_batch_size=1`, which decodes them one at a time."""
+    llm = LLM("moespec-tiny", policy=policy)
+    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# a comment\n"]
+    alone = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=1), max_batch_size=1)
+    stop = alone[1].text[4:6]  # ends the second prompt's output early, inside the batch
+    params = SamplingParams(max_tokens=24, logprobs=1, stop=[stop])
+    alone = llm.generate(prompts, params, max_batch_size=1)
+    assert alone[1].finish_reason == "stop"
+    calls = count_calls(monkeypatch, BatchedEngine, "step")
+    for max_batch_size in (16, 2):
+        together = llm.generate(prompts, params, max_batch_size=max_batch_size)
+        for a, b in zip(alone, together):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-4)
+    assert calls[0] > 0
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        llm.generate(prompts, params, max_batch_size=0)

@@ -1,6 +1,7 @@
 """The engine with bucketed static-shape verify forwards (`TargetModel.use_verify_runner("static")`:
 the function `VerifyGraphs` captures on CUDA, run eagerly) decodes exactly what plain decoding does,
-for ar, eagle3 and joint, on Qwen3-MoE and GPT-OSS; and the `cuda_graphs` option's checks."""
+for ar, eagle3 and joint, on Qwen3-MoE and GPT-OSS; and the `cuda_graphs` option's checks. Requests
+run one at a time (`max_batch_size=1`): the per-request step is the one these runners serve."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ def _llm(checkpoints, arch, policy, **kwargs):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_static_verify_engine_equals_plain_decoding(checkpoints, arch):
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
     for policy in ("ar", "eagle3", "joint"):
         llm = _llm(checkpoints, arch, policy)
         assert llm.cuda_graphs is False and llm.target.verify_runner is None  # CPU default: eager
         llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
-        outs = llm.generate(PROMPTS, params)
+        outs = llm.generate(PROMPTS, params, max_batch_size=1)
         assert [o.token_ids for o in outs] == plain, f"{policy} with the static verify diverged"
         assert llm.target._runners, "the static path was never used"
         if policy != "ar":
@@ -76,7 +77,7 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
     from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend, StaticDrafterFrontier
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
     llm = _llm(checkpoints, arch, policy)
     llm.target.use_verify_runner("static", verify_buckets(llm.tree.max_draft_tokens))
     source = llm.engine.draft_source
@@ -86,13 +87,13 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
     run, run_frontier = source.extend_runner.run, source.frontier_runner.run
     source.extend_runner.run = lambda *a: calls.append(a[2].shape[1]) or run(*a)  # count real uses
     source.frontier_runner.run = lambda *a: frontiers.append(a[2].shape[1]) or run_frontier(*a)
-    outs = llm.generate(PROMPTS, params)
+    outs = llm.generate(PROMPTS, params, max_batch_size=1)
     assert [o.token_ids for o in outs] == plain
     assert calls and max(calls) <= llm.tree.steps + 1
     assert frontiers and max(frontiers) <= llm.tree.topk, "the tree-drafting forwards never used the runner"
     # one request at a time: each drafted on the buffer (and, on CUDA, the graphs) of the one before
     assert source.drafter.kv_pool.allocated == 1
-    eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params)
+    eager = _llm(checkpoints, arch, policy).generate(PROMPTS, params, max_batch_size=1)
     # the drafter state matches too: every step accepted as many tokens as with the eager drafter
     assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in eager]
 
@@ -107,7 +108,7 @@ def test_drafter_graph_runners_replay_across_requests(checkpoints, arch):
     from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs, DrafterGraphs, DrafterGraphStore
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params)]
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
     llm = _llm(checkpoints, arch, "eagle3")
     source, drafter = llm.engine.draft_source, llm.engine.draft_source.drafter
     capture = RecomputeCapture()
@@ -115,7 +116,7 @@ def test_drafter_graph_runners_replay_across_requests(checkpoints, arch):
                                          graphs=DrafterGraphStore(drafter, None, capture=capture))
     source.frontier_runner = DrafterFrontierGraphs(drafter, llm.tree.topk,
                                                    graphs=DrafterGraphStore(drafter, None, capture=capture))
-    assert [o.token_ids for o in llm.generate(PROMPTS * 2, params)] == plain * 2
+    assert [o.token_ids for o in llm.generate(PROMPTS * 2, params, max_batch_size=1)] == plain * 2
     assert drafter.kv_pool.allocated == 1
     assert source.frontier_runner.captures == 1 and source.frontier_runner.replays > 0
     assert 1 <= source.extend_runner.captures <= len(source.extend_runner.buckets)
@@ -139,14 +140,14 @@ def test_failed_drafter_graph_capture_falls_back_to_eager(checkpoints):
             raise GraphCaptureError("cannot capture")
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = [o.token_ids for o in _llm(checkpoints, "qwen3_moe", "ar").generate(PROMPTS, params)]
+    plain = [o.token_ids for o in _llm(checkpoints, "qwen3_moe", "ar").generate(PROMPTS, params, max_batch_size=1)]
     llm = _llm(checkpoints, "qwen3_moe", "eagle3")
     source = llm.engine.draft_source
     extend = Failing(StaticDrafterExtend(source.drafter, verify_buckets(llm.tree.steps)))
     frontier = Failing(StaticDrafterFrontier(source.drafter, llm.tree.topk))
     source.extend_runner, source.frontier_runner = extend, frontier
     with pytest.warns(RuntimeWarning) as record:
-        outs = llm.generate(PROMPTS, params)
+        outs = llm.generate(PROMPTS, params, max_batch_size=1)
     messages = [str(w.message) for w in record]
     assert sum("tree-drafting forward failed" in m for m in messages) == 1
     assert sum("extension forward failed" in m for m in messages) == 1

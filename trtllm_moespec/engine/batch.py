@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -132,14 +133,18 @@ class BatchedEngine:
         # slot that a later request already holds).
         self._active.pop(id(request), None)
 
-    def run_all(self, requests: list[Request]) -> None:
+    def run_all(self, requests: list[Request], on_finish: Callable[[Request], None] | None = None) -> None:
         """Run requests to completion with continuous batching (admit as many as fit before each
-        step): the synchronous entry point for batch callers such as the runtime Executor."""
+        step): the synchronous entry point for batch callers such as `LLM.generate` and the runtime
+        Executor. `on_finish` is called with each request as it finishes (progress bars)."""
         waiting = list(requests)
         while waiting or self._active:
             while waiting and len(self._active) < self.max_batch_size:
                 self.add(waiting.pop(0))
-            self.step()
+            outputs, _ = self.step()
+            for out in outputs:
+                if out.finished and on_finish is not None:
+                    on_finish(out.request)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> tuple[list[BatchStepOutput], float]:
