@@ -34,7 +34,7 @@ def _constraints():
 
 def _run(llm, ids: list[list[int]], params, timer: list[float]) -> dict:
     timer[0] = 0.0
-    outs = llm.generate(ids, params)
+    outs = llm.generate(ids, params, max_batch_size=1)  # per-request step timings: one at a time
     steps = sum(o.stats.num_steps for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
     decode_s = sum(o.stats.decode_s for o in outs)

@@ -47,7 +47,7 @@ def measure_acceptance(target_dir: Path, drafter_dir: Path, num_prompts: int = 1
 
     llm = LLM(model=str(target_dir), draft_model=str(drafter_dir), policy="eagle3", tree=tree, threads=None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(humaneval_prompts(num_prompts), params)
+    outs = llm.generate(humaneval_prompts(num_prompts), params, max_batch_size=1)  # per-request step timings
     lengths = [n for o in outs for n in o.stats.acceptance_lengths]  # committed tokens per step
     steps = max(len(lengths), 1)
     at_least = tuple(sum(1 for n in lengths if n - 1 >= d) / steps for d in range(1, tree.steps + 1))
@@ -71,7 +71,7 @@ def measure_predictors(target_dir: Path, drafter_dir: Path, predictors: dict[str
     for name, path in predictors.items():
         llm = LLM(model=str(target_dir), draft_model=str(drafter_dir), policy="ecospec", tree=tree,
                   predictor=str(path), threads=None)
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, max_batch_size=1)  # per-request step timings
         steps = sum(o.stats.num_steps for o in outs)
         accs = [o.stats.predictor_topk_acc for o in outs if o.stats.predictor_topk_acc is not None]
         results[name] = {
