@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trtllm_moespec.serve.protocol import BadRequest, parse_chat, parse_completion
+from trtllm_moespec.serve.protocol import _KNOWN_CHAT, _KNOWN_COMPLETION, BadRequest, parse_chat, parse_completion
 
 
 def test_completion_defaults_follow_openai():
@@ -262,3 +264,20 @@ def test_prompt_logprobs_ask_the_prefill_for_them():
         with pytest.raises(BadRequest) as e:
             parse_completion({"prompt": "a", **extra})
         assert e.value.param == "prompt_logprobs"
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats(allow_nan=True) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(_KNOWN_CHAT | _KNOWN_COMPLETION)), _JSON, max_size=6), st.booleans())
+def test_any_json_in_known_fields_is_parsed_or_refused_with_a_400(body, chat):
+    """Whatever JSON a known field holds, parsing returns a request or raises a ValueError (the server's
+    400), never a TypeError or KeyError from deep inside (a 500)."""
+    body.setdefault("messages" if chat else "prompt", [{"role": "user", "content": "x"}] if chat else "x")
+    try:
+        (parse_chat if chat else parse_completion)(body)
+    except ValueError:
+        pass
