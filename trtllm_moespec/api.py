@@ -357,24 +357,35 @@ class LLM:
             raise ValueError("stream() takes one prompt")
         yield from self._events(batch[0], sampling_params or SamplingParams())
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             chat_template: str | None = None) -> RequestOutput:
-        """Apply the chat template (`chat_template`, a Jinja string, else the tokenizer's), then generate."""
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None
+             ) -> RequestOutput | list[RequestOutput]:
+        """Apply the chat template (`chat_template`, a Jinja string, else the tokenizer's; with
+        `chat_template_kwargs`, e.g. Qwen3's enable_thinking), then generate. A list of conversations
+        is decoded together, as `generate` decodes several prompts, and gives a list of outputs."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.paths.target} has no tokenizer; pass token ids to generate()")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError(f"model {self.paths.target} has no chat template (moespec-tiny is not chat-tuned): "
                              "pass chat_template=..., or use generate() with plain prompts")
-        if (not isinstance(messages, (list, tuple)) or not messages
-                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                           for m in messages)):
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, got "
-                             f"{_describe(messages)}")
-        ids = self.tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                 tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return self.generate([list(ids)], sampling_params)[0]
+        several = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(c, (list, tuple)) for c in messages)
+        conversations = list(messages) if several else [messages]
+        for conversation in conversations:
+            if (not isinstance(conversation, (list, tuple)) or not conversation
+                    or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in conversation)):
+                raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts (or a "
+                                 f"list of such conversations), got {_describe(conversation)}")
+        prompts = []
+        for conversation in conversations:
+            ids = self.tokenizer.apply_chat_template(list(conversation), chat_template=template,
+                                                     add_generation_prompt=True, tokenize=True,
+                                                     **(chat_template_kwargs or {}))
+            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+        outputs = self.generate(prompts, sampling_params)
+        return outputs if several else outputs[0]
 
     # ------------------------------------------------------------------ helpers
     def _events(self, ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:

@@ -123,9 +123,19 @@ def test_chat_on_moespec_tiny(tiny_ar):
     out = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=template)
     assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
     assert len(out.token_ids) == 3
-    for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}]):
+    for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}], [messages, []]):
         with pytest.raises(ValueError, match="list of"):
             tiny_ar.chat(bad, chat_template=template)
+    # several conversations: decoded together, one output each, as each alone
+    other = [{"role": "user", "content": "sort a list"}]
+    both = tiny_ar.chat([messages, other], SamplingParams(max_tokens=3), chat_template=template)
+    assert [o.token_ids for o in both] == [out.token_ids, tiny_ar.chat(other, SamplingParams(max_tokens=3),
+                                                                       chat_template=template).token_ids]
+    thinking = "{% if enable_thinking %}/think {% endif %}" + template
+    kwargs = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=thinking,
+                          chat_template_kwargs={"enable_thinking": True})
+    assert kwargs.prompt_token_ids == tiny_ar.tokenizer.encode("/think # user: write fib\n# assistant:",
+                                                               add_special_tokens=False)
 
 
 def test_a_foreign_drafter_is_not_paired_with_the_shipped_head(tmp_path):
