@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trtllm_moespec.core import (DraftTree, SamplingConfig, build_layout, draw_uniforms, score_order, target_probs,
                                  top_k_nodes, verify_tree, verify_tree_reference)
@@ -111,8 +112,20 @@ def test_rule_is_lossless_by_exact_enumeration(seed):
 
 
 @settings(max_examples=50, deadline=None)
-@given(seeds)
-def test_vectorised_equals_reference_with_the_same_uniforms(seed):
+@given(seeds, st.sampled_from([0, 8]))
+def test_vectorised_equals_reference_with_the_same_uniforms(seed, host_walk_max_batch):
+    """Both sampling walks (the vectorised one the GPU and large CPU batches run: host_walk_max_batch
+    0; the host walk of small CPU batches: 8) accept what the reference does, with the same uniforms."""
+    import trtllm_moespec.core.verify as verify
+
+    verify.HOST_WALK_MAX_BATCH, saved = host_walk_max_batch, verify.HOST_WALK_MAX_BATCH
+    try:
+        _check_against_reference(seed)
+    finally:
+        verify.HOST_WALK_MAX_BATCH = saved
+
+
+def _check_against_reference(seed):
     rng = np.random.default_rng(seed)
     B = 3
     tree = random_tree(rng, B, int(rng.integers(0, 12)), vocab=8)
@@ -184,6 +197,10 @@ def test_sampling_distribution_matches_target_chi_square(temperature, top_k):
                        score_order(tree).expand(B, -1), torch.zeros(B, dtype=torch.long))
     u = torch.rand(B, lay.num_positions + 1, generator=torch.Generator().manual_seed(2024), dtype=torch.float64)
     res = verify_tree(lay, logits.expand(B, -1, -1), [cfg] * B, uniforms=u)
+    if temperature == 1.0:  # the host walk (CPU batches of <= 8) on the same trials: the same outcomes
+        host = [verify_tree(_rows(lay, b, b + 8), logits.expand(8, -1, -1), [cfg] * 8, uniforms=u[b:b + 8])
+                for b in range(0, 4000, 8)]
+        assert torch.equal(torch.cat([h.emitted_ids for h in host]), res.emitted_ids[:4000])
     counts = np.zeros(V * V)
     emitted = res.emitted_ids.numpy()
     for b in range(B):
@@ -194,6 +211,14 @@ def test_sampling_distribution_matches_target_chi_square(temperature, top_k):
     stat, dof = _chi_square(counts, probs)
     # 99.9% quantile of chi-square with <= 15 dof is 37.7; the seed is fixed, so this is deterministic.
     assert stat < 37.7, (stat, dof)
+
+
+def _rows(layout, start: int, end: int):
+    """Requests start..end of a batched layout."""
+    from dataclasses import fields, replace
+
+    return replace(layout, **{f.name: getattr(layout, f.name)[start:end] for f in fields(layout)
+                              if isinstance(getattr(layout, f.name), torch.Tensor)})
 
 
 def test_non_finite_logits_raise():
