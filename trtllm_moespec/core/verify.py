@@ -126,10 +126,9 @@ def _sampled_tree_host(layout: TreeLayout, target_logits: torch.Tensor, configs:
     visited node only, its children tested in layout order with float32 scalars (the reference's
     arithmetic, op for op, so both accept the same nodes and draw the same bonus token)."""
     B, T = layout.token_ids.shape
-    D = layout.max_depth
     parents, tokens, valid = layout.parent_pos.tolist(), layout.token_ids.tolist(), layout.valid.tolist()
     u = uniforms.numpy()  # [B, T + 1] float32
-    accepted, emitted, num = [], [], []
+    paths, bonuses = [], []
     for b in range(B):
         children: list[list[int]] = [[] for _ in range(T)]
         for j in range(1, T):
@@ -153,10 +152,18 @@ def _sampled_tree_host(layout: TreeLayout, target_logits: torch.Tensor, configs:
                 break
             path.append(chosen)
             cur = chosen
-        accepted.append(path + [-1] * (D - len(path)))
-        emitted.append([tokens[b][j] for j in path] + [bonus] + [-1] * (D - len(path)))
-        num.append(len(path))
-    num_accepted = torch.tensor(num, dtype=torch.int64)
+        paths.append(path)
+        bonuses.append(bonus)
+    return _host_result(paths, bonuses, tokens, layout.max_depth)
+
+
+def _host_result(paths: list[list[int]], bonuses: list[int], tokens: list[list[int]], D: int) -> VerifyResult:
+    """The VerifyResult of host walks: per request its accepted layout positions and bonus token."""
+    pad = [D - len(path) for path in paths]
+    accepted = [path + [-1] * n for path, n in zip(paths, pad)]
+    emitted = [[row[j] for j in path] + [bonus] + [-1] * n for path, bonus, row, n in zip(paths, bonuses, tokens, pad)]
+    num_accepted = torch.tensor([len(path) for path in paths], dtype=torch.int64)
+    B = len(paths)
     return VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(B, D), num_accepted,
                         torch.tensor(emitted, dtype=torch.int64).reshape(B, D + 1), num_accepted + 1)
 
@@ -197,10 +204,9 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
     (~2 us a call against ~10 for torch's), which, like torch, returns the first maximum.
     """
     B, T = layout.token_ids.shape
-    D = layout.max_depth
     parent, tokens, valid = layout.parent_pos.tolist(), layout.token_ids.tolist(), layout.valid.tolist()
     logits = target_logits.numpy() if target_logits.dtype in (torch.float32, torch.float64) else target_logits.float().numpy()
-    accepted, emitted, num = [], [], []
+    paths, bonuses = [], []
     for b in range(B):
         cur, path = 0, []
         best = int(logits[b, 0].argmax())  # argmax at visited nodes only (a few of the T rows)
@@ -211,12 +217,9 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
                 best = int(logits[b, j].argmax())
         if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
             raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
-        accepted.append(path + [-1] * (D - len(path)))
-        emitted.append([tokens[b][j] for j in path] + [best] + [-1] * (D - len(path)))
-        num.append(len(path))
-    num_accepted = torch.tensor(num, dtype=torch.int64)
-    return VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(B, D), num_accepted,
-                        torch.tensor(emitted, dtype=torch.int64).reshape(B, D + 1), num_accepted + 1)
+        paths.append(path)
+        bonuses.append(best)
+    return _host_result(paths, bonuses, tokens, layout.max_depth)
 
 
 def _plain_greedy(target_logits: torch.Tensor) -> VerifyResult:
