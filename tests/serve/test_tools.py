@@ -105,9 +105,10 @@ def test_harmony_outputs_split_into_answer_reasoning_and_calls():
     assert harmony_reply("no channels here", []).content == "no channels here"
 
 
-def test_hermes_content_streams_until_the_first_call_block():
+def test_hermes_content_streams_until_the_first_call_block_and_calls_as_their_blocks_close():
     """Streamed under the hermes parser, the content before the first <tool_call> block goes out as it grows
-    (nothing that may begin a block), and the deltas join to the final message's content."""
+    (nothing that may begin a block), each call once its block has closed, and content and calls join to
+    the final message's; with parallel_tool_calls false, only the first call."""
     from transformers import AutoTokenizer
 
     from trtllm_moespec.resolve import resolve_model
@@ -115,14 +116,20 @@ def test_hermes_content_streams_until_the_first_call_block():
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("moespec-tiny", None, None).target))
     decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
-    tools = Tools((WEATHER, TIME), "auto")
     text = ('  Let me look it up.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
             'Then <tool the time.\n<tool_call>{"name": "time", "arguments": {}}</tool_call>')
     ids = tokenizer.encode(text, add_special_tokens=False)
-    stream = HermesStream(decode)
-    deltas = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)]
-    calls, content = tools.calls(decode(ids), "hermes")
-    assert [c.name for c in calls] == ["weather", "time"]
-    assert "".join(deltas) == "Let me look it up." and not any("<" in d for d in deltas)
-    assert sum(1 for d in deltas if d) > 3  # it streamed, word by word
-    assert "".join(deltas) + stream.finish(content) == content == "Let me look it up.\n\nThen <tool the time."
+    for parallel in (True, False):
+        tools = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": parallel})
+        stream = HermesStream(decode, tools)
+        pushes = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)]
+        deltas = [text for text, _ in pushes]
+        streamed = [(n, call.name) for n, (_, calls) in enumerate(pushes, 1) for call in calls]
+        calls, content = tools.calls(decode(ids), "hermes")
+        assert "".join(deltas) == "Let me look it up." and not any("<" in d for d in deltas)
+        assert sum(1 for d in deltas if d) > 3  # it streamed, word by word
+        first_close = next(n for n in range(1, len(ids) + 1) if "</tool_call>" in decode(ids[:n]))
+        assert streamed[0] == (first_close, "weather")  # the step its block closed in, not at the end
+        assert [name for _, name in streamed] == [c.name for c in calls] == (["weather", "time"] if parallel else ["weather"])
+        rest, unsent = stream.finish(content, [c.to_openai() for c in calls])
+        assert "".join(deltas) + rest == content == "Let me look it up.\n\nThen <tool the time." and unsent == []

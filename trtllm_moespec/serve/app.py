@@ -399,8 +399,8 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
     # harmony (GPT-OSS): answer and reasoning stream as their channels grow; other tool parsers need the whole text
     harmony = {c.index: HarmonyStream(server.decode_raw, c.text.hold) for c in choices} if (
         chat and server.tool_call_parser == "harmony") else {}
-    # hermes ("auto" tools): the content before the first call block streams; the calls come at the end
-    hermes = {c.index: HermesStream(c.decode, c.text.hold) for c in choices if chat and c.tools is not None
+    # hermes ("auto" tools): the content before the first call block streams, each call once its block closed
+    hermes = {c.index: HermesStream(c.decode, c.tools, c.text.hold) for c in choices if chat and c.tools is not None
               and c.tools.choice == "auto" and server.tool_call_parser == "hermes"}
 
     def chunk(choice_list: list[dict], **extra) -> str:
@@ -439,9 +439,14 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                 if delta or logprobs:
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
             elif isinstance(event, TokenEvent) and c.index in hermes:
-                text, logprobs = hermes[c.index].push(c.ids, event.text_trim), step_logprobs(c, event)
+                (text, calls), logprobs = hermes[c.index].push(c.ids, event.text_trim), step_logprobs(c, event)
                 if text or logprobs:
                     yield chunk([piece(c, text, None, logprobs=logprobs)])
+                if calls:  # numbered after the ones sent before
+                    first = hermes[c.index].calls_sent - len(calls)
+                    deltas = [{"index": first + i, **call.to_openai()} for i, call in enumerate(calls)]
+                    yield chunk([{"index": c.index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                  "finish_reason": None}])
             elif isinstance(event, TokenEvent):
                 # a chat whose output is a forced call (named or "required") is answered when it finishes
                 held = c.prompt_only or (chat and c.tools is not None)
@@ -452,15 +457,16 @@ async def _stream(server: Server, choices: list[_Choice], events: asyncio.Queue,
                     yield chunk([piece(c, delta, None, logprobs=logprobs)])
             elif chat and (c.tools is not None or c.index in harmony):
                 message, finish = _chat_reply(server, c, cut_text(c.decode(c.output()[0]), c.trim))
+                calls, first = message.get("tool_calls") or [], 0
                 if c.index in harmony:  # what the channels had not yet sent
                     delta = harmony[c.index].finish(message)
-                elif c.index in hermes:
-                    rest = hermes[c.index].finish(message["content"])
-                    delta = {"content": rest} if rest else {}
+                elif c.index in hermes:  # the content and the calls not yet sent
+                    rest, calls = hermes[c.index].finish(message["content"], calls)
+                    delta, first = ({"content": rest} if rest else {}), hermes[c.index].calls_sent
                 else:
                     delta = {k: v for k, v in message.items() if k in ("content", "reasoning_content") and v}
-                if message.get("tool_calls"):
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                if calls:
+                    delta["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(calls)]
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
                 yield chunk([piece(c, c.text.finish(c.output()[0], c.trim), c.finish_reason)])

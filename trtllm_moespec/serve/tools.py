@@ -25,7 +25,7 @@ from ..detokenize import IncrementalText, cut_text
 from ..engine.structured import StructuredOutput
 
 PARSERS = ("hermes", "harmony")
-_OPEN = "<tool_call>"
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # one harmony message of an assistant's output: a header up to <|message|>, then its text up to the
 # token that ends it (or the end of the output, when max_tokens cut it)
@@ -167,23 +167,31 @@ class HarmonyStream:
 
 
 class HermesStream:
-    """A chat answer's content as deltas while it grows, under the hermes parser ("auto" tool choice): the
-    text before its first `<tool_call>` block, as `hermes_calls` returns it at the end (stripped: white
-    space at either end waits, and so does text that may begin a block or a stop string). The calls, and
-    any text after them, come with the final message (`finish`)."""
+    """A chat answer as deltas while it grows, under the hermes parser ("auto" tool choice): the content
+    before its first `<tool_call>` block, as `hermes_calls` returns it at the end (stripped: white space
+    at either end waits, and so does text that may begin a block or a stop string), and each call once
+    its block has closed. Any text after the first block, and calls not yet sent, come with the final
+    message (`finish`)."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], hold: int = 0):
-        self.text, self.hold, self.sent = IncrementalText(decode), hold, ""
+    def __init__(self, decode: Callable[[Sequence[int]], str], tools: Tools, hold: int = 0):
+        self.text, self.tools, self.hold = IncrementalText(decode), tools, hold
+        self.sent, self.calls_sent = "", 0
 
-    def push(self, output_ids: Sequence[int], trim: int = 0) -> str:
+    def push(self, output_ids: Sequence[int], trim: int = 0) -> tuple[str, list[ToolCall]]:
+        """(new content, calls whose blocks closed since the last push)."""
         text = cut_text(self.text.text(output_ids), trim).lstrip()
+        ready = text[:max(len(text) - self.hold, 0)]  # what a stop string can no longer cut
+        calls = self.tools.allowed(hermes_calls(ready[:ready.rfind(_CLOSE) + len(_CLOSE)], self.tools.names)[0]
+                                   if _CLOSE in ready else [])
+        new_calls, self.calls_sent = calls[self.calls_sent:], max(self.calls_sent, len(calls))
         block = text.find(_OPEN)
         if block < 0:  # hold what may begin a block (or a stop string) once more text comes
             block = len(text) - max(self.hold, _partial_marker(text, _OPEN))
-        return self._delta(text[:max(block, 0)].rstrip("\ufffd").rstrip())
+        return self._delta(text[:max(block, 0)].rstrip("\ufffd").rstrip()), new_calls
 
-    def finish(self, content: str | None) -> str:
-        return self._delta(content or "")
+    def finish(self, content: str | None, calls: list[dict]) -> tuple[str, list[dict]]:
+        """(the content not yet sent, the final message's calls not yet sent)."""
+        return self._delta(content or ""), calls[self.calls_sent:]
 
     def _delta(self, value: str) -> str:
         if len(value) <= len(self.sent) or not value.startswith(self.sent):
