@@ -331,13 +331,19 @@ class LLM:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         params = sampling_params or SamplingParams()
         batch = self.encode(prompts)
-        if len(batch) > 1 and max_batch_size > 1 and self.engine.placement is None and not self.engine.policy.needs_target:
+        if len(batch) > 1 and max_batch_size > 1 and self.batchable:
             return self._generate_batched(batch, params, max_batch_size, use_tqdm)
         outputs = []
         for ids in tqdm(batch, desc="generate", disable=not use_tqdm):
             events = list(self._events(ids, params))
             outputs.append(events[-1].output)
         return outputs
+
+    @property
+    def batchable(self) -> bool:
+        """Can requests share engine steps (engine/batch.py)? Not under expert parallelism (one request
+        at a time across the ranks) nor for an analysis policy that needs the target's scores per request."""
+        return self.engine.placement is None and not self.engine.policy.needs_target
 
     def _generate_batched(self, batch: list[list[int]], params: SamplingParams, max_batch_size: int,
                           use_tqdm: bool) -> list[RequestOutput]:

@@ -99,6 +99,8 @@ class TokenHistory:
             raise ValueError(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
         if any(t >= vocab_size for t in rules.allowed):
             raise ValueError(f"allowed_token_ids names a token id outside the vocabulary [0, {vocab_size})")
+        if any(t >= vocab_size for word in rules.bad_words for t in word):
+            raise ValueError(f"bad_words holds a token id outside the vocabulary [0, {vocab_size})")
         if rules.allowed and rules.min_tokens and set(rules.allowed) <= stop_ids:
             raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: nothing could be drawn")
         self.rules = rules
@@ -117,8 +119,6 @@ class TokenHistory:
         if rules.allowed:
             self.banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
             self.banned[torch.tensor(rules.allowed, dtype=torch.int64, device=device)] = False
-        if any(t >= vocab_size for word in rules.bad_words for t in word):
-            raise ValueError(f"bad_words holds a token id outside the vocabulary [0, {vocab_size})")
         # the last tokens of prompt + output that a bad word's prefix may end with
         self.keep = max((len(w) for w in rules.bad_words), default=1) - 1
         self.tail = list(prompt_ids[-self.keep:]) if self.keep else []

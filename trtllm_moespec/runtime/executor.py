@@ -101,7 +101,7 @@ def _pytorch_backend(spec: EngineSpec, engine_dir: Path, device: str | None, dty
     kwargs = pytorch_llm_kwargs(spec, engine_dir, device, dtype)
     kwargs["tree"] = trtllm_moespec.TreeConfig(**kwargs["tree"])
     llm = trtllm_moespec.LLM(**kwargs, ep=ep)
-    if ep is None and not llm.engine.policy.needs_target:
+    if llm.batchable:
         from ..serve.backend import BatchedBackend
 
         return BatchedBackend(llm, max_batch_size)
@@ -234,15 +234,12 @@ def trtllm_sampling_kwargs(params: Any) -> dict:
     @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
     presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None;
     `stop`, `include_stop_str_in_output`, `ignore_eos` and `skip_special_tokens` have keywords of the same
-    names and meaning, and `bad_words` is its `bad` ("strings that redirect the generation").
-    A logit bias and allowed token ids have no keyword there (only a [vocab] `embedding_bias` tensor), structured output
-    needs the LLM built with a guided-decoding backend, and logprobs are not read back from its
-    outputs here: all refused rather than silently dropped."""
-    for name in ("logit_bias", "structured", "allowed_token_ids"):
-        if getattr(params, name):
-            raise ValueError(f"{name} is not supported by the TensorRT-LLM backend; use the PyTorch engine")
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
+    names and meaning, and `bad_words` is its `bad` ("strings that redirect the generation"). A logit
+    bias and allowed token ids have no keyword there (only a [vocab] `embedding_bias` tensor),
+    structured output needs the LLM built with a guided-decoding backend, and logprobs are not read
+    back from its outputs here: all refused rather than silently dropped."""
+    for name in ("logit_bias", "structured", "allowed_token_ids", "logprobs", "prompt_logprobs"):
+        if getattr(params, name) not in (None, ()):  # (logprobs=0 asks for logprobs: only None is off)
             raise ValueError(f"{name} is not supported by the TensorRT-LLM backend; use the PyTorch engine")
 
     def unless(value: float, off: float) -> float | None:

@@ -205,7 +205,8 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and not (_is_int(truncate) and truncate >= 1):
         raise BadRequest(f"'truncate_prompt_tokens' must be an integer >= 1, got {truncate!r}", "truncate_prompt_tokens")
-    prompt_logprobs = _prompt_logprobs(body, logprobs if echo else None, stream)
+    echoed = logprobs if echo else None  # echo with logprobs scores the prompt too
+    prompt_logprobs = _prompt_logprobs(body, echoed, stream)
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body),
@@ -223,8 +224,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=stop, ignore_eos=ignore_eos, include_stop_str_in_output=keep_stop,
                                 skip_special_tokens=skip_special, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else (
-                                    logprobs if echo else None), **rules)
+                                prompt_logprobs=echoed if prompt_logprobs is None else prompt_logprobs, **rules)
     except ValueError as e:  # the message begins with the field's name
         name = str(e).split()[0]
         raise BadRequest(str(e), name if name in body else None) from None

@@ -145,8 +145,7 @@ class HarmonyStream:
         self.sent = {"content": "", "reasoning_content": ""}
 
     def push(self, output_ids: Sequence[int], trim: int = 0) -> dict:
-        text = self.decode_raw(output_ids)
-        reply = harmony_reply(text[:len(text) - trim] if trim else text, [], partial=True)
+        reply = harmony_reply(cut_text(self.decode_raw(output_ids), trim), [], partial=True)
         return self._deltas(self._ready(reply.content), self._ready(reply.reasoning))
 
     def _ready(self, value: str | None) -> str:
@@ -161,8 +160,9 @@ class HarmonyStream:
     def _deltas(self, content: str, reasoning: str) -> dict:
         deltas = {}
         for key, value in (("content", content), ("reasoning_content", reasoning)):
-            if len(value) > len(self.sent[key]) and value.startswith(self.sent[key]):
-                deltas[key], self.sent[key] = value[len(self.sent[key]):], value
+            delta = _grown(self.sent[key], value)
+            if delta:
+                deltas[key], self.sent[key] = delta, value
         return deltas
 
 
@@ -194,10 +194,15 @@ class HermesStream:
         return self._delta(content or ""), calls[self.calls_sent:]
 
     def _delta(self, value: str) -> str:
-        if len(value) <= len(self.sent) or not value.startswith(self.sent):
-            return ""
-        delta, self.sent = value[len(self.sent):], value
+        delta = _grown(self.sent, value)
+        if delta:
+            self.sent = value
         return delta
+
+
+def _grown(sent: str, value: str) -> str:
+    """What `value` adds to the text already sent ("" when it adds nothing or does not extend it)."""
+    return value[len(sent):] if len(value) > len(sent) and value.startswith(sent) else ""
 
 
 def _partial_marker(text: str, marker: str) -> int:
