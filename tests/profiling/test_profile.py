@@ -100,7 +100,10 @@ def test_plain_step_drafter_forward_and_load_are_recorded(profiled):
     table = CostTable.load(path)
     assert table.plain_step > 0 and table.draft_forward > 0  # measured (their sizes are timings: not asserted)
     assert len(table.load_average) == 6
-    assert data["noise"]["verdict"] in ("ok", "noisy", "unusable") and data["noise"]["span_s"] > 0
+    # span C(K) - C(0) of the monotone fit: flat (0) when a loaded machine hides the tiny model's span,
+    # which the verdict then calls unusable (seen once with both test workers busy)
+    noise = data["noise"]
+    assert noise["verdict"] in ("ok", "noisy", "unusable") and (noise["span_s"] > 0 or noise["verdict"] == "unusable")
     assert -1 not in data["measured"]["samples"]["k"]  # plain steps are not C(k) samples
 
 
