@@ -85,9 +85,11 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def _decode_tokens_per_s(out) -> float:
-    """Tokens per second of the decode steps alone (the first token comes from the prefill)."""
-    return (out.stats.num_tokens - 1) / out.stats.decode_s
+def _decode_row(out) -> dict:
+    """Decode steps alone (the first token comes from the prefill): tokens/s, ms per step, Mat."""
+    s = out.stats
+    return {"tokens_per_s": (s.num_tokens - 1) / s.decode_s, "step_ms": s.decode_s * 1e3 / max(s.num_steps, 1),
+            "mean_accepted_tokens": s.mean_accepted_tokens}
 
 
 def _peak_rss_mb(model: str, impl: str, context: int, tokens: int) -> tuple[float, float]:
@@ -159,13 +161,18 @@ def main(argv=None) -> dict:
         short_params = SamplingParams(max_tokens=32, ignore_eos=True)
         for _ in range(args.repeats):
             for n, c in ctx.items():
-                long_rows["ar", n].append(_decode_tokens_per_s(ar["lean"].generate([c], short_params)[0]))
-                long_rows["eagle3", n].append(_decode_tokens_per_s(spec["lean"].generate([c], short_params)[0]))
+                long_rows["ar", n].append(_decode_row(ar["lean"].generate([c], short_params)[0]))
+                long_rows["eagle3", n].append(_decode_row(spec["lean"].generate([c], short_params)[0]))
         for p in ("ar", "eagle3"):
             for n in ctx:
-                r[f"{p}_lean_tokens_per_s_ctx{n}"] = statistics.median(long_rows[p, n])
+                for key in ("tokens_per_s", "step_ms", "mean_accepted_tokens"):
+                    r[f"{p}_lean_{key}_ctx{n}"] = _median(long_rows[p, n], key)
             r[f"{p}_lean_ctx{args.long}_vs_ctx{args.short}"] = (r[f"{p}_lean_tokens_per_s_ctx{args.long}"]
                                                                 / r[f"{p}_lean_tokens_per_s_ctx{args.short}"])
+            # The two prompts are different text, so a drafter accepts differently on them: the step-time
+            # ratio is what the context length alone costs (for ar it is the tokens/s ratio).
+            r[f"{p}_lean_ctx{args.long}_vs_ctx{args.short}_step"] = (r[f"{p}_lean_step_ms_ctx{args.short}"]
+                                                                     / r[f"{p}_lean_step_ms_ctx{args.long}"])
         for impl in ("lean", "hf"):
             loaded, peak = _peak_rss_mb(args.model, impl, args.long, 32)
             r[f"peak_rss_mb_ctx{args.long}_{impl}"] = peak
@@ -197,7 +204,9 @@ def _print_summary(r: dict, args) -> None:
     if args.long:
         for p in ("ar", "eagle3"):
             print(f"  {p:6s} decode tok/s ctx {args.short}: {r[f'{p}_lean_tokens_per_s_ctx{args.short}']:.1f}, ctx {args.long}: "
-                  f"{r[f'{p}_lean_tokens_per_s_ctx{args.long}']:.1f}  ratio {r[f'{p}_lean_ctx{args.long}_vs_ctx{args.short}']:.2f}")
+                  f"{r[f'{p}_lean_tokens_per_s_ctx{args.long}']:.1f}  ratio {r[f'{p}_lean_ctx{args.long}_vs_ctx{args.short}']:.2f}"
+                  f" (step time {r[f'{p}_lean_ctx{args.long}_vs_ctx{args.short}_step']:.2f}; Mat "
+                  f"{r[f'{p}_lean_mean_accepted_tokens_ctx{args.short}']:.2f} -> {r[f'{p}_lean_mean_accepted_tokens_ctx{args.long}']:.2f})")
         print(f"  peak RSS, {args.long}-token context: lean {r[f'peak_rss_mb_ctx{args.long}_lean']:.0f} MB "
               f"(+{r[f'request_rss_mb_ctx{args.long}_lean']:.0f} over the loaded model), hf "
               f"{r[f'peak_rss_mb_ctx{args.long}_hf']:.0f} MB (+{r[f'request_rss_mb_ctx{args.long}_hf']:.0f}); "
