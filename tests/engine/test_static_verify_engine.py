@@ -99,6 +99,32 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_sync_free_drafting_keeps_greedy_output(checkpoints, arch):
+    """The CUDA drafting loop (`Eagle3Source.sync_free`, on by default off the CPU) run on CPU tensors:
+    every drafting forward takes the whole padded frontier (no read of how many entries are real),
+    through the static frontier runner and through the eager forward, one request at a time and
+    batched: greedy output and acceptance lengths unchanged."""
+    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
+    host = _llm(checkpoints, arch, "eagle3").generate(PROMPTS, params, max_batch_size=1)
+    for runner, batch in ((True, 1), (False, 1), (False, 2)):
+        llm = _llm(checkpoints, arch, "eagle3")
+        source = llm.engine.draft_source
+        source.sync_free = True
+        rows = []
+        if runner:
+            source.frontier_runner = StaticDrafterFrontier(source.drafter, llm.tree.topk)
+            run = source.frontier_runner.run
+            source.frontier_runner.run = lambda *a: rows.append(a[2].shape[1]) or run(*a)
+        outs = llm.generate(PROMPTS, params, max_batch_size=batch)
+        assert [o.token_ids for o in outs] == plain
+        assert [o.stats.acceptance_lengths for o in outs] == [o.stats.acceptance_lengths for o in host]
+        assert not runner or (rows and set(rows) == {llm.tree.topk})  # always the whole frontier
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_drafter_graph_runners_replay_across_requests(checkpoints, arch):
     """The drafter's graph runners as the engine drives them, with capture replaced by the stand-in
     that replays by recomputing into the captured outputs (`tests/models/graph_stand_in.py`): greedy

@@ -100,6 +100,9 @@ class Eagle3Source:
         # forwards (one per drafting step, the frontier padded to topk rows; CUDA: one graph).
         # None: `Eagle3Drafter.draft_tree` as is (the CPU path).
         self.frontier_runner = frontier_runner
+        # Feed padded frontiers instead of reading their length back (eagle3_draft's module doc).
+        # None: off the CPU, where the read is a device sync.
+        self.sync_free: bool | None = None
 
     def start(self, prompt_ids: torch.Tensor, prefill: TargetOutput, root: int,
               prefix: "DrafterPrefix | None" = None) -> "Eagle3State":
@@ -121,7 +124,7 @@ class Eagle3Source:
         expand = self._expand_rule(state)
         if self.frontier_runner is None:
             out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand,
-                                          state.constraint)
+                                          state.constraint, self.sync_free)
         else:
             out = self._draft_static(state.cache, expand, state.constraint)
         return Draft(out.tree, out.node_hidden)
@@ -134,7 +137,8 @@ class Eagle3Source:
             return [self.draft(s, c, device) for s, c in zip(states, contexts)]
         self._catch_up(states)
         outs = draft_eagle3_trees(self.drafter, [s.cache for s in states], self.steps, self.topk, self.ddd_threshold,
-                                  [self._expand_rule(s) for s in states], constraints=[s.constraint for s in states])
+                                  [self._expand_rule(s) for s in states], constraints=[s.constraint for s in states],
+                                  sync_free=self.sync_free)
         return [Draft(out.tree, out.node_hidden) for out in outs]
 
     def _expand_rule(self, state: "Eagle3State") -> Callable[[DraftTree, torch.Tensor], bool] | None:
@@ -148,11 +152,13 @@ class Eagle3Source:
         draft eagerly (drafting never changes the committed cache, so starting over is exact)."""
         try:
             return draft_eagle3_tree(self.drafter, cache, self.steps, self.topk, self.ddd_threshold, expand,
-                                     frontier_runner=self.frontier_runner, constraint=constraint)
+                                     frontier_runner=self.frontier_runner, constraint=constraint,
+                                     sync_free=self.sync_free)
         except GraphCaptureError as e:
             warn_fallback(e.__cause__ or e, "drafter's tree-drafting forward")
             self.frontier_runner = None
-            return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand, constraint)
+            return self.drafter.draft_tree(cache, self.steps, self.topk, self.ddd_threshold, expand, constraint,
+                                           self.sync_free)
 
     def commit(self, state: "Eagle3State", result: VerifyResult, verify: TargetOutput) -> None:
         self.commit_batch([state], [result], [verify])

@@ -692,13 +692,15 @@ class Eagle3Drafter(nn.Module):
         return emitted[None].to(self.lm_head.weight.device), target_hidden.index_select(1, pos.to(target_hidden.device))
 
     def draft_tree(self, cache: Eagle3Cache, steps: int, topk: int, ddd_threshold: float | None = None,
-                   should_expand=None, constraint=None):
+                   should_expand=None, constraint=None, sync_free: bool | None = None):
         """Draft a tree after the committed positions (see eagle3_draft.py); returns Eagle3Draft.
         `should_expand(tree, frontier)` -> False stops drafting before the next expansion; `constraint`
-        restricts each node's children to the tokens a grammar allows."""
+        restricts each node's children to the tokens a grammar allows; `sync_free` (None: off the CPU)
+        feeds padded frontiers instead of reading their length back."""
         from .eagle3_draft import draft_eagle3_tree
 
-        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, should_expand, constraint=constraint)
+        return draft_eagle3_tree(self, cache, steps, topk, ddd_threshold, should_expand, constraint=constraint,
+                                 sync_free=sync_free)
 
 
 def causal_mask(past_len: int, num_new: int, dtype: torch.dtype, device) -> torch.Tensor:

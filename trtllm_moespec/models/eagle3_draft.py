@@ -15,6 +15,13 @@ With a `frontier_runner` each step's forward runs through the static-shape draft
 (`models/cuda_graphs.py` `StaticDrafterFrontier`; on CUDA one captured graph, `DrafterFrontierGraphs`):
 the frontier padded to the runner's width, attending over the whole drafter buffer. Without one
 (the default, and the CPU engine's path) it is `Eagle3Drafter.forward` over exactly F rows.
+
+Off the CPU, a tree drafted with no stop rule, no DDD and no constraint reads nothing back from the
+device (`sync_free`): how many frontier entries are real (-1 pads trail when children score 0) is a
+device-to-host read that would stall the host until the forward before it has run, three times a
+step. The frontier is fed as it is, all `topk` rows; a pad row computes the features of node 0
+again in its own key slot, which no real node sees, and grows only invalid children. The valid
+nodes are those the host-read path drafts; the tree just keeps more invalid ones.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ def draft_eagle3_tree(
     should_expand: ExpandRule | None = None,
     frontier_runner: "StaticDrafterFrontier | None" = None,
     constraint: DraftConstraint | None = None,
+    sync_free: bool | None = None,
 ) -> Eagle3Draft:
     """Draft a tree of up to topk + (steps-1)*topk^2 nodes after the committed positions of `cache`.
 
@@ -70,9 +78,10 @@ def draft_eagle3_tree(
     CUDA graph `DrafterFrontierGraphs`) runs each step's forward with static shapes instead of
     `Eagle3Drafter.forward`; the tree and everything around the forward stay the same. With a
     `constraint` every node's children are drawn from the tokens it allows after the node's path.
+    `sync_free` (None: off the CPU) feeds padded frontiers instead of reading their length (module doc).
     """
     return draft_eagle3_trees(drafter, [cache], steps, topk, ddd_threshold, [should_expand], frontier_runner,
-                              [constraint])[0]
+                              [constraint], sync_free)[0]
 
 
 @torch.no_grad()
@@ -85,6 +94,7 @@ def draft_eagle3_trees(
     should_expand: "list[ExpandRule | None] | None" = None,
     frontier_runner: "StaticDrafterFrontier | None" = None,
     constraints: "list[DraftConstraint | None] | None" = None,
+    sync_free: bool | None = None,
 ) -> list[Eagle3Draft]:
     """`draft_eagle3_tree` for several requests in lockstep: each drafting step runs ONE drafter
     forward over every still-expanding request's frontier (`Eagle3Drafter.forward_packed`), and
@@ -99,8 +109,13 @@ def draft_eagle3_trees(
     # a static runner pads the last frontier to its width: room for the padded rows' keys too
     pad = 0 if frontier_runner is None else max(frontier_runner.width - topk, 0)
     constraints = constraints if constraints is not None else [None] * len(caches)
-    trees = [_TreeDraft(drafter, cache, steps, topk, pad, c) for cache, c in zip(caches, constraints)]
-    rules = should_expand if should_expand is not None else [None] * len(trees)
+    rules = should_expand if should_expand is not None else [None] * len(caches)
+    if sync_free is None:
+        sync_free = drafter.lm_head.weight.device.type != "cpu"
+    # a rule that decides on the host reads the frontier anyway: only trees drafted without one skip the read
+    trees = [_TreeDraft(drafter, cache, steps, topk, pad, c,
+                        padded=sync_free and c is None and rule is None and ddd_threshold is None)
+             for cache, c, rule in zip(caches, constraints, rules)]
     for step in range(steps - 1):
         active = [t for t, rule in zip(trees, rules) if t.expands(ddd_threshold, rule)]
         if not active:
@@ -144,7 +159,7 @@ class _TreeDraft:
     """
 
     def __init__(self, drafter: "Eagle3Drafter", cache: "Eagle3Cache", steps: int, topk: int, pad: int,
-                 constraint: DraftConstraint | None = None):
+                 constraint: DraftConstraint | None = None, padded: bool = False):
         if cache.last_logits is None:
             raise ValueError("the drafter cache is empty: call prefill()/extend() before draft_tree()")
         self.drafter, self.topk, self.start = drafter, topk, cache.num_tokens
@@ -170,18 +185,24 @@ class _TreeDraft:
         self.positions = torch.arange(self.start, self.start + max(steps - 1, 0), device=device)[:, None].expand(
             max(steps - 1, 0), topk)
         self.stopped = False
-        self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded
+        self.padded = padded  # expand the frontier with its -1 pads, never reading how many are real
+        self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded (-1 pads when padded)
+        self.rows: torch.Tensor | None = None  # f with pads read as node 0 (what the forward's rows gather)
         self.width = 0  # F
 
     def expands(self, ddd_threshold: float | None, should_expand: ExpandRule | None) -> bool:
         """Whether this request's frontier is expanded at this step (once it stops, it stays stopped)."""
         if self.stopped:
             return False
+        if self.padded:  # no stop rule here: every step expands, and nothing is read back
+            self.f = self.frontier[0]
+            self.rows, self.width = self.f.clamp(min=0), self.f.numel()
+            return True
         f = _valid(self.frontier[0])
         self.stopped = (f.numel() == 0
                         or (ddd_threshold is not None and bool(ddd_should_stop(self.nodes.tree().scores[:, f], ddd_threshold)[0]))
                         or (should_expand is not None and not should_expand(self.nodes.tree(), f)))
-        self.f, self.width = f, f.numel()
+        self.f, self.rows, self.width = f, f, f.numel()
         return not self.stopped
 
     def constrained(self, logits: torch.Tensor, f: torch.Tensor | None) -> torch.Tensor:
@@ -200,10 +221,10 @@ class _TreeDraft:
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden of the forward that proposed each frontier node [1, F, H], their tokens [1, F])."""
-        return self.node_hidden.index_select(1, self.f), self.nodes.token_ids.index_select(1, self.f)
+        return self.node_hidden.index_select(1, self.rows), self.nodes.token_ids.index_select(1, self.rows)
 
     def mask(self) -> torch.Tensor:
-        return self.masks.frontier(self.f, self.num_slots)
+        return self.masks.frontier(self.rows, self.num_slots)
 
     def segment(self) -> PackedSegment:
         return PackedSegment(self.kv, self.start + self.num_slots, self.width, self.mask())
@@ -212,7 +233,7 @@ class _TreeDraft:
         """Add the frontier's top-k children (ids, probs [1, F, topk]; hidden [1, F, H] of this forward)."""
         n, F_ = self.nodes.num_nodes, self.width
         self.num_forwards += 1
-        self.frontier = self.nodes.grow(self.f[None], ids, self._alive_only(probs), self.topk, dense=True)
+        self.frontier = self.nodes.grow(self.f[None], ids, self._alive_only(probs), self.topk, dense=not self.padded)
         self.masks.add_children(n, F_, self.topk, self.num_slots)
         self.node_hidden[0, n:n + F_ * self.topk].view(F_, self.topk, -1).copy_(hidden[0, :, None])
         self.num_slots += F_
