@@ -25,3 +25,28 @@ def test_select_on_device_matches_the_policies():
                 assert int(got.num_selected[b]) == n, policy.name
                 assert got.node_idx[b, :n].tolist() == want.node_idx[b, :n].tolist(), policy.name
             torch.testing.assert_close(got.expected_tokens.double(), want.expected_tokens.double())
+
+
+def test_eagle3_on_device_orders_ties_and_pads_as_the_host_does():
+    """eagle3's device selection (torch sorts, no host read) against `score_order` / `Eagle3Policy`
+    on trees with exact score ties, padded nodes, children of probability 0 and fewer nodes than the
+    budget (run on CPU tensors: the code has no device-specific branch)."""
+    from dataclasses import replace
+
+    from tests.core.strategies import random_tree
+    from trtllm_moespec.core.tree import score_order
+    from trtllm_moespec.kernels.select_policy import eagle3_top_nodes, score_order_on_device
+
+    rng = np.random.default_rng(7)
+    for num_nodes in (0, 1, 5, 20, 40):
+        tree = random_tree(rng, 3, num_nodes)
+        if num_nodes:  # a few valid nodes whose probability underflowed to 0 (log score -inf)
+            zero = torch.from_numpy(rng.random((3, num_nodes)) < 0.15) & tree.valid
+            tree = replace(tree, log_scores=torch.where(zero, -torch.inf, tree.log_scores))
+        assert torch.equal(score_order_on_device(tree), score_order(tree))
+        for budget in (1, 6, 32):
+            want = make_policy("eagle3", budget=budget).select(tree)
+            got = eagle3_top_nodes(tree, budget)
+            assert torch.equal(got.node_idx, want.node_idx) and torch.equal(got.num_selected, want.num_selected)
+            torch.testing.assert_close(got.expected_tokens, want.expected_tokens)
+            assert bool(got.predicted_cost.isnan().all())

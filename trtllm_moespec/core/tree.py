@@ -134,7 +134,8 @@ def gather_nodes(values: torch.Tensor, idx: torch.Tensor, fill) -> torch.Tensor:
     """values [B, N] read at idx [B, K] where idx >= 0, else `fill` (also for trees with no nodes)."""
     if values.shape[1] == 0:
         return torch.full(idx.shape, fill, dtype=values.dtype, device=idx.device)
-    return torch.where(idx >= 0, values.gather(1, idx.clamp(min=0)), torch.tensor(fill, dtype=values.dtype))
+    # a Python fill keeps values' dtype and, unlike a CPU 0-dim tensor, needs no copy to the device
+    return torch.where(idx >= 0, values.gather(1, idx.clamp(min=0)), fill)
 
 
 def draft_root(token_ids: torch.Tensor, probs: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:

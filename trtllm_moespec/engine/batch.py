@@ -43,7 +43,8 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
-from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits
+from .engine import (Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits,
+                     token_tensor)
 from .stats import StepStats
 
 
@@ -222,7 +223,7 @@ class BatchedEngine:
         t_pred = time.perf_counter() - t0
         t0 = time.perf_counter()
         node_idx = self._select(running, drafts, predictions)
-        roots = [torch.tensor([a.request.output_ids[-1]], device=self.target.device) for a in running]
+        roots = [token_tensor(a.request.output_ids[-1], self.target.device) for a in running]
         layouts = [build_layout(d.tree, n, r) if d is not None else root_layout(r) for d, n, r in zip(drafts, node_idx, roots)]
         t_select = time.perf_counter() - t0
         t0 = time.perf_counter()

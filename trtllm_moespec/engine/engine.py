@@ -196,7 +196,7 @@ class SpecEngine:
         node_idx, max_depth = selection.node_idx, None
         if node_idx.device.type != "cpu":
             node_idx, max_depth = self._device_selection(tree, node_idx)
-        layout = build_layout(tree, node_idx, torch.tensor([root], device=tree.token_ids.device), max_depth)
+        layout = build_layout(tree, node_idx, token_tensor(root, tree.token_ids.device), max_depth)
         t_select = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -229,7 +229,7 @@ class SpecEngine:
         """Verify the root alone (policy "ar", or a step the guard decodes plainly): the forward and
         sampling rule of a tree step with no nodes, without drafting, selection or tree bookkeeping."""
         root = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
-        layout = root_layout(torch.tensor([root], device=self.target.device))
+        layout = root_layout(token_tensor(root, self.target.device))
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
         t_target = time.perf_counter() - t0
@@ -322,6 +322,12 @@ class SpecEngine:
             if rule is not None:
                 rule.extend(request.output_ids[before:])
         return request.finish_reason is not None
+
+
+def token_tensor(token: int, device: torch.device) -> torch.Tensor:
+    """[1] int64 holding `token`, made on `device` by a fill: `torch.tensor([token], device=...)` would
+    copy it from the host, and a blocking host-to-device copy waits for the whole stream on CUDA."""
+    return torch.full((1,), token, dtype=torch.int64, device=device)
 
 
 def draft_constraint(request: Request):

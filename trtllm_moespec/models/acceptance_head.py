@@ -106,8 +106,8 @@ class AcceptanceHeadModel(nn.Module):
 # ------------------------------------------------------------------------------------------ node features
 def node_scalars(tree: DraftTree, context: list[int]) -> np.ndarray:
     """[N, NUM_SCALARS] float32: log q, log raw path score, copy features; batch of one."""
-    logq = np.log(np.clip(tree.draft_probs[0].numpy(), 1e-8, 1.0))
-    logs = np.clip(tree.log_scores[0].numpy(), -30.0, 0.0)
+    logq = np.log(np.clip(tree.draft_probs[0].cpu().numpy(), 1e-8, 1.0))
+    logs = np.clip(tree.log_scores[0].cpu().numpy(), -30.0, 0.0)
     return np.concatenate([logq[:, None], logs[:, None], copy_features(tree, context)], 1).astype(np.float32)
 
 
@@ -146,12 +146,19 @@ class AcceptanceHead:
                   str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
         return directory
 
+    def to(self, device: torch.device | str) -> "AcceptanceHead":
+        """The head (and its bound token table) on `device`: where the drafter's node features are."""
+        self.model.to(device)
+        if self._table is not None:
+            self._table = self._table.to(device)
+        return self
+
     def bind_embedding(self, embed: nn.Embedding) -> "AcceptanceHead":
         if tuple(embed.weight.shape) != (self.config.vocab_size, self.config.embed_size):
             raise ValueError(f"embedding of shape {tuple(embed.weight.shape)} does not match the acceptance head's "
                              f"(vocab_size, embed_size) = {(self.config.vocab_size, self.config.embed_size)}")
-        with torch.no_grad():
-            self._table = self.model.token_part(embed.weight)
+        with torch.no_grad():  # computed where the head is (the embedding may live on another device)
+            self._table = self.model.token_part(embed.weight.to(self.model.out.weight.device))
         return self
 
     @torch.no_grad()
@@ -165,10 +172,14 @@ class AcceptanceHead:
             raise ValueError("call bind_embedding(target embedding) before local()")
         if tree.batch_size != 1 or hidden.shape[:2] != tree.token_ids.shape:
             raise ValueError(f"node_hidden {tuple(hidden.shape)} does not match the tree {tuple(tree.token_ids.shape)}")
+        device = self._table.device
         if tree.num_nodes == 0:
-            return torch.zeros(1, 0)
-        logits = self.model(hidden[0].float(), self._table[tree.token_ids[0]], tree.depth[0],
-                            torch.from_numpy(sibling_rank(tree)), torch.from_numpy(node_scalars(tree, context or [])))
+            return torch.zeros(1, 0, device=device)
+        # the rank and copy features are host work on the tree (a few hundred ints): one upload each
+        rank = torch.from_numpy(sibling_rank(tree)).to(device)
+        scalars = torch.from_numpy(node_scalars(tree, context or [])).to(device)
+        logits = self.model(hidden[0].to(device).float(), self._table[tree.token_ids[0].to(device)],
+                            tree.depth[0].to(device), rank, scalars)
         return torch.sigmoid(logits)[None]
 
 
@@ -177,9 +188,9 @@ def load_head_values(directory: str | Path, target):
     corrected online by an identity-prior per-depth isotonic calibrator (core/values.py)."""
     from ..core.values import CalibratedValues, Calibrator
 
-    head = AcceptanceHead.load(directory)
     if target is None:
         raise ValueError("values='head' needs the target's embedding")
+    head = AcceptanceHead.load(directory).to(target.device)
     head.bind_embedding(target.input_embeddings())
     calibrator = Path(directory) / "calibrator.json"
     prior = Calibrator.load(calibrator) if calibrator.is_file() else Calibrator.identity(weight=50.0)

@@ -253,13 +253,14 @@ class _TensorIndexedIO:
 
     def write_and_read(self, cache: StaticKVCache, layer: int, k, v, start: int, end: int):
         kc, vc = cache.layer(layer)
-        reads_k, reads_v = [], []
         for b, s in enumerate(self.slots):
             kc[s].index_copy_(1, self.write_idx[b], k[b])
             vc[s].index_copy_(1, self.write_idx[b], v[b])
-            reads_k.append(kc[s, :, start:end])
-            reads_v.append(vc[s, :, start:end])
-        return torch.stack(reads_k), torch.stack(reads_v)
+        first, B = self.slots[0], len(self.slots)
+        if self.slots == tuple(range(first, first + B)):  # one request, or consecutive slots: views, no copy
+            return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
+        return (torch.stack([kc[s, :, start:end] for s in self.slots]),
+                torch.stack([vc[s, :, start:end] for s in self.slots]))
 
 
 def _fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -90,10 +90,11 @@ def routed_experts(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, 
     if cpu and (looped if looped is not None else flat_ids.numel() <= LOOPED_MAX_PAIRS):
         h = _looped_experts(xs, sorted_ids, w)
     else:
-        # histc, not bincount: its output size never depends on the data (CUDA-graph safe).
-        hist_in = sorted_ids.float() if x.device.type == "cpu" else sorted_ids.int()
-        counts = torch.histc(hist_in, bins=w.num_experts, min=0, max=w.num_experts - 1)
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
+        # offsets[e] = pairs routed to experts <= e, one search over the sorted ids. Its size never
+        # depends on the data and it reads nothing on the host (CUDA-graph safe; bincount reads the
+        # largest id back, and CUDA histc asks the driver for free memory at every launch).
+        experts = torch.arange(w.num_experts, device=sorted_ids.device)
+        offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # [E]
         h = _grouped_linear(xs, w.gate_up, offsets, w.gate_up_bias, sorted_ids)  # [S, 2I]
         h = _grouped_linear(w.gate(h), w.down, offsets, w.down_bias, sorted_ids)  # [S, H]
     h = h * top_w.reshape(-1)[perm, None]

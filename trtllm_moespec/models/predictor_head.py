@@ -220,7 +220,7 @@ class DraftHeadPredictor:
                              f"match node_hidden {tuple(node_hidden.shape)}")
         dev = self.device
         hidden = torch.cat([node_hidden.to(dev, torch.float32), root_hidden.to(dev, torch.float32)[None]])
-        ids = torch.cat([node_ids.to(dev), torch.tensor([int(root_id)], device=dev)])
+        ids = torch.cat([node_ids.to(dev), torch.full((1,), int(root_id), dtype=node_ids.dtype, device=dev)])
         depth = torch.cat([node_depth.to(dev).clamp(min=1), torch.zeros(1, dtype=torch.int64, device=dev)])
         topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables))
         return topk[:-1], topk[-1]
