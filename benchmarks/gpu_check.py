@@ -9,7 +9,11 @@
 4. C(k), k in {0, 1, 2, 4, 8, 16, 32}: one verify forward of k draft nodes + root after a
    512-token prefix, eager and replayed from the verify-length bucket's CUDA graph, on a
    random-weight model with Qwen3-30B-A3B's shapes (bf16, 48 layers, 128 experts, top-8).
-5. Batch sweep on moespec-tiny: the batched engine (`engine.batch.BatchedEngine`, one target
+5. Host syncs: per speculative step of eagle3 / evict / joint on moespec-tiny (graphs on, guard off),
+   the device synchronisations before the target verify (CUDA's sync debug mode warns at each), and
+   the source lines that caused them. The README claims one (the selected count and depth); a
+   read-through found more (evict and joint: the calibrated values and the drafting stop rule).
+6. Batch sweep on moespec-tiny: the batched engine (`engine.batch.BatchedEngine`, one target
    forward per step for the whole batch) at B = 1, 2, 4, 8 requests submitted together, for
    `ar`, `eagle3` and `joint-batch`: tokens/s (all requests' new tokens over the wall time),
    and per B whether every request's greedy tokens equal its single-request `ar` output.
@@ -27,11 +31,13 @@ when a section failed or a batch-sweep request's greedy tokens differ from its s
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,6 +57,7 @@ BATCH_PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def push(self, x):\n"
                  "def is_prime(n: int) -> bool:\n", "with open(path) as f:\n    for line in f:\n",
                  "def merge(a, b):\n    out = []\n")
 SWEEP_MARGIN_S = 30.0  # the sweep starts no batch size later than this before the time limit
+SYNC_POLICIES = ("eagle3", "evict", "joint")
 
 
 def _sync(device: torch.device) -> None:
@@ -233,6 +240,52 @@ def cost_table(device: torch.device, shapes: dict, prefix: int, repeats: int) ->
     return dict(shapes=shapes, dtype=str(dtype), prefix=prefix, build_s=build_s, graphs=device.type == "cuda", rows=rows)
 
 
+def _sync_debug(device: torch.device, mode: str) -> None:
+    if device.type == "cuda":  # the mode exists on CUDA builds only (the CPU smoke counts nothing)
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def host_syncs(device: torch.device, tokens: int, policies: tuple[str, ...] = SYNC_POLICIES) -> list[dict]:
+    """Per policy: device syncs in each speculative step before `target.verify`, and where they happen."""
+    from trtllm_moespec import LLM, SamplingParams
+
+    rows = []
+    for policy in policies:
+        llm = LLM("moespec-tiny", policy=policy, device=device.type, guard="off", override_profile=True)
+        ids = llm.encode(["def fibonacci(n):\n"])[0]
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        llm.generate([ids], params)  # graphs captured and tables built before counting
+        engine, target = llm.engine, llm.target
+        step, verify = engine._step, target.verify
+        counts, places = [], collections.Counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            def counted_step(*args, **kwargs):
+                caught.clear()
+                _sync_debug(device, "warn")
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    _sync_debug(device, "default")
+
+            def counted_verify(*args, **kwargs):
+                syncs = [w for w in caught if "synchroniz" in str(w.message)]
+                counts.append(len(syncs))
+                places.update(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in syncs)
+                _sync_debug(device, "default")
+                return verify(*args, **kwargs)
+
+            engine._step, target.verify = counted_step, counted_verify  # instance attributes over the methods
+            try:
+                llm.generate([ids], params)
+            finally:
+                del engine._step, target.verify
+        rows.append(dict(policy=policy, steps=len(counts), median=statistics.median(counts) if counts else None,
+                         max=max(counts, default=None), places=places.most_common(12)))
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -255,6 +308,7 @@ def main(argv=None) -> dict:
         ("graph_speed", lambda: graph_speed(device, tokens=8 if smoke else 128, repeats=1 if smoke else 3)),
         ("cost", lambda: cost_table(device, TINY if smoke else QWEN3_30B_A3B, prefix=16 if smoke else 512,
                                     repeats=2 if smoke else 20)),
+        ("host_syncs", lambda: host_syncs(device, tokens=6 if smoke else 24)),
         # Last, so a slow sweep cannot cost the sections above; few tokens and repeats, and a budget
         # (what is left of the time limit less a margin for the batch size under way, at most 60 s),
         # keep its 12 (B, method) cells inside the script's 6 minutes.
@@ -312,8 +366,14 @@ def _print_batch_sweep(sweep: dict) -> None:
         print(f"    skipped (time budget {sweep['budget_s']:.0f} s): B = {sweep['skipped_batch_sizes']}")
 
 
+def _print_host_syncs(rows: list[dict]) -> None:
+    for row in rows:
+        print(f"  host syncs before the verify, {row['policy']}: median {row['median']}, max {row['max']} per step "
+              f"({row['steps']} steps); most at " + ", ".join(f"{p} x{n}" for p, n in row["places"][:4]))
+
+
 _PRINTERS = dict(select_tree=_print_select, ar=_print_ar, graph_speed=_print_graph_speed, cost=_print_cost,
-                 batch_sweep=_print_batch_sweep)
+                 batch_sweep=_print_batch_sweep, host_syncs=_print_host_syncs)
 
 
 def _failed(section) -> bool:

@@ -31,6 +31,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                                   for m in ("ar", "eagle3", "joint-batch")}
     assert all(r["exact"] and r["tokens_per_s"] > 0 for r in sweep["rows"]) and sweep["skipped_batch_sizes"] == []
     assert "batch sweep" in proc.stdout and "joint-batch" in proc.stdout
+    # the sync count ran its speculative steps (CPU tensors never synchronise: nothing is counted)
+    assert [r["policy"] for r in result["host_syncs"]] == ["eagle3", "evict", "joint"]
+    assert all(r["steps"] > 0 and r["max"] == 0 for r in result["host_syncs"])
 
 
 def test_batch_sweep_flags_a_request_that_differs(monkeypatch):
@@ -49,7 +52,7 @@ def test_batch_sweep_flags_a_request_that_differs(monkeypatch):
     sweep = gpu_check.batch_sweep(torch.device("cpu"), tokens=3, repeats=1, budget_s=60, batch_sizes=(2,),
                                   methods=("ar",))
     assert [(r["batch"], r["exact"]) for r in sweep["rows"]] == [(2, False)]
-    passing = dict(select_tree=[], ar={}, graph_speed=[], cost={}, batch_sweep=dict(sweep, rows=[]))
+    passing = dict(select_tree=[], ar={}, graph_speed=[], cost={}, batch_sweep=dict(sweep, rows=[]), host_syncs=[])
     assert gpu_check.passed(passing)
     assert not gpu_check.passed(dict(passing, batch_sweep=sweep))
     assert not gpu_check.passed(dict(passing, cost=dict(error="RuntimeError: CUDA error")))
@@ -79,9 +82,10 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
                                                                       graphs=False, rows=[]))
     monkeypatch.setattr(gpu_check, "batch_sweep", lambda *a, **k: dict(tokens=1, rows=[], skipped_batch_sizes=[],
                                                                        budget_s=0.0))
+    monkeypatch.setattr(gpu_check, "host_syncs", lambda *a, **k: [])
     result = gpu_check.main(["--out", str(tmp_path), "--cpu-smoke"])
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["select_tree"] == {"error": "RuntimeError: CUDA error: an illegal memory access"}
-    assert set(saved["section_s"]) == {"select_tree", "ar", "graph_speed", "cost", "batch_sweep"}
+    assert set(saved["section_s"]) == {"select_tree", "ar", "graph_speed", "cost", "batch_sweep", "host_syncs"}
     assert "select_tree: FAILED (RuntimeError" in capsys.readouterr().out
     assert not gpu_check.passed(result)

@@ -44,6 +44,26 @@ def test_cuda_greedy_equals_transformers_generate(reference, policy, model_impl,
             assert source.frontier_runner.captures >= 1 and source.frontier_runner.replays > 0
 
 
+@pytest.mark.parametrize("policy,values", [("evict", "head"), ("joint", "head"), ("joint", "calibrated")])
+def test_cuda_node_value_models_keep_greedy_output(reference, policy, values):
+    """The cost-aware policies rank on node values computed from the drafted tree on the device
+    (the acceptance head runs where the drafter's features are): greedy output unchanged."""
+    ids, want = reference
+    llm = LLM("moespec-tiny", policy=policy, values=values, guard="off", device="cuda", override_profile=True)
+    out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == want
+    assert out.stats.verified_tokens > 0
+
+
+def test_cuda_eagle3_step_reads_the_host_once_before_the_verify():
+    """The README's claim: with graphs on, an eagle3 step synchronises with the device once before the
+    verify (the selected count and depth pick the bucket): drafting, selection and layout read nothing."""
+    from benchmarks.gpu_check import host_syncs
+
+    row = host_syncs(torch.device("cuda"), tokens=16, policies=("eagle3",))[0]
+    assert row["steps"] > 0 and row["max"] <= 1, f"syncs per step up to {row['max']}, at {row['places']}"
+
+
 def test_cuda_logit_rules_and_bias_are_lossless():
     """Penalties and a logit bias on CUDA (the history lives on the device): eagle3's
     greedy output under them equals plain decoding's, and the bias's banned token never appears."""
