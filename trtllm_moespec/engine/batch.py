@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
+from ..core.device import host_tensor, token_tensor
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.select import path_bits
 from ..core.tree import DraftTree, gather_nodes, limit_depth, top_k_nodes
@@ -43,8 +44,7 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
-from .engine import (Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits,
-                     token_tensor)
+from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits
 from .stats import StepStats
 
 
@@ -470,10 +470,10 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
     prefix_lens = tuple(c.num_tokens for c in caches)
     if all(layout.num_positions == 1 for layout in layouts):  # a plain batch: the roots at their positions
         input_ids = torch.cat([layout.token_ids for layout in layouts])
-        positions, tree_mask = torch.tensor(prefix_lens, device=input_ids.device)[:, None], None
+        positions, tree_mask = host_tensor(prefix_lens, input_ids.device)[:, None], None
     else:
         stacked = pad_layouts(layouts)
-        input_ids, positions = stacked.token_ids, stacked.position_ids(torch.tensor(prefix_lens, device=stacked.token_ids.device))
+        input_ids, positions = stacked.token_ids, stacked.position_ids(host_tensor(prefix_lens, stacked.token_ids.device))
         tree_mask = stacked.tree_mask()
     batch = ForwardBatch(input_ids=input_ids.to(target.device), positions=positions.to(target.device),
                          slots=tuple(c.slot for c in caches), prefix_lens=prefix_lens,

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..core.device import token_tensor
 from ..core.experts import ExpertSets, popcount
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.logprobs import TokenLogprob, emitted_positions, prompt_token_logprobs, token_logprobs
@@ -322,12 +323,6 @@ class SpecEngine:
             if rule is not None:
                 rule.extend(request.output_ids[before:])
         return request.finish_reason is not None
-
-
-def token_tensor(token: int, device: torch.device) -> torch.Tensor:
-    """[1] int64 holding `token`, made on `device` by a fill: `torch.tensor([token], device=...)` would
-    copy it from the host, and a blocking host-to-device copy waits for the whole stream on CUDA."""
-    return torch.full((1,), token, dtype=torch.int64, device=device)
 
 
 def draft_constraint(request: Request):

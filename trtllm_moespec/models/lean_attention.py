@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.device import host_tensor
+
 
 @dataclass(frozen=True)
 class AttentionMasks:
@@ -39,7 +41,7 @@ def build_masks(prefix_lens: tuple[int, ...], positions: torch.Tensor, tree_mask
     at `positions` [B, T]; tree_mask [B, T, T] bool (None = causal among the new tokens)."""
     B, T = positions.shape
     end = max(prefix_lens) + T
-    P = None if B == 1 and T == 1 and window is None else torch.tensor(prefix_lens, device=positions.device)
+    P = None if B == 1 and T == 1 and window is None else host_tensor(prefix_lens, positions.device)
     full = None
     if has_full and B == 1 and T > 1:
         full = _single_full_mask(prefix_lens[0], T, tree_mask, dtype, positions.device)

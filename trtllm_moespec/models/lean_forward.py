@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.device import host_tensor
 from .kv_cache import StaticKVCache
 from .lean_attention import AttentionMasks, apply_rotary, attend, build_masks, build_static_masks
 from .moe import ExpertWeights, RouterWeights, gpt_oss_weights, qwen3_moe_weights, route, routed_experts
@@ -222,6 +223,14 @@ class _HostIndexedIO:
 
     def __init__(self, slots: tuple[int, ...], prefix_lens: tuple[int, ...]):
         self.slots, self.prefix_lens = slots, prefix_lens
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot [B, T], position [B, T]), per forward
+
+    def _indices(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer writes the same cache positions: their index tensors are made once per forward."""
+        if self._index is None:
+            slots, prefix = host_tensor(self.slots, device), host_tensor(self.prefix_lens, device)
+            self._index = (slots[:, None].expand(len(self.slots), T), prefix[:, None] + torch.arange(T, device=device))
+        return self._index
 
     def write_and_read(self, cache: StaticKVCache, layer: int, k, v, start: int, end: int):
         """Write k/v [B, Hkv, T, D] at `prefix_len + t` of each request's slot; read back the slot
@@ -233,15 +242,13 @@ class _HostIndexedIO:
             kc[s, :, P:P + T] = k[0]
             vc[s, :, P:P + T] = v[0]
             return kc[s:s + 1, :, start:end], vc[s:s + 1, :, start:end]
-        slots = torch.tensor(self.slots, device=k.device)
-        idx = torch.tensor(self.prefix_lens, device=k.device)[:, None] + torch.arange(T, device=k.device)  # [B, T]
-        sl = slots[:, None].expand(B, T)
+        sl, idx = self._indices(T, k.device)  # [B, T] each
         kc[sl, :, idx] = k.transpose(1, 2)  # advanced indices on dims 0 and 2: value is [B, T, Hkv, D]
         vc[sl, :, idx] = v.transpose(1, 2)
         first = self.slots[0]
         if self.slots == tuple(range(first, first + B)):  # consecutive slots (the usual batch): views, no copy
             return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
-        return kc[slots, :, start:end], vc[slots, :, start:end]
+        return kc[sl[:, 0], :, start:end], vc[sl[:, 0], :, start:end]
 
 
 class _TensorIndexedIO:

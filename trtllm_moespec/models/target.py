@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.device import host_tensor
 from ..core.layout import TreeLayout
 from .arch import ArchSpec, arch_spec, default_capture_layers, layer_types, router_topk_ids
 from .checkpoint import check_safetensors_dir, load_hf_checked, parse_dtype
@@ -303,7 +304,7 @@ class TargetModel:
             raise ValueError(f"accepted positions {accepted} out of the layout range 1..{pending - 1}")
         n = 1 + len(accepted)
         chain = accepted == list(range(1, n))  # the kept slots already sit behind the prefix, in order
-        src = None if chain else torch.tensor([P] + [P + a for a in accepted], device=self.device)
+        src = None if chain else host_tensor([P] + [P + a for a in accepted], self.device)
         if self.lean is not None:  # one gather over all layers; rejected slots are overwritten later
             if not chain:
                 cache.kv.commit(cache.slot, P, src)

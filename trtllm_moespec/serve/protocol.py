@@ -229,7 +229,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         name = str(e).split()[0]
         raise BadRequest(str(e), name if name in body else None) from None
     if n > 1 and seed is not None and seed + n > MAX_SEED:
-        raise BadRequest(f"'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
+        raise BadRequest("'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
     return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
                              bool((options or {}).get("include_usage", False)), n, echo, tools, truncate,
                              add_special_tokens, template_kwargs, prompt_logprobs)
