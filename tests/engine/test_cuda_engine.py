@@ -64,6 +64,18 @@ def test_cuda_eagle3_step_reads_the_host_once_before_the_verify():
     assert row["steps"] > 0 and row["max"] <= 1, f"syncs per step up to {row['max']}, at {row['places']}"
 
 
+def test_host_values_reach_the_device_without_a_sync():
+    from trtllm_moespec.core.device import host_tensor, token_tensor
+
+    device = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+    try:
+        values, token = host_tensor([3, 1, 4], device), token_tensor(7, device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert values.device.type == "cuda" and values.tolist() == [3, 1, 4] and token.tolist() == [7]
+
+
 def test_cuda_logit_rules_and_bias_are_lossless():
     """Penalties and a logit bias on CUDA (the history lives on the device): eagle3's
     greedy output under them equals plain decoding's, and the bias's banned token never appears."""
