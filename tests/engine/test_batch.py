@@ -345,3 +345,27 @@ def test_llm_generate_decodes_several_prompts_together_as_one_by_one(policy, mon
     assert calls[0] > 0
     with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
         llm.generate(prompts, params, max_batch_size=0)
+
+
+def test_max_depths_read_every_request_in_one_transfer():
+    """The batched CUDA step's one read before the verify (run here on CPU tensors): each request's
+    deepest selected node, 0 when nothing is selected, None when it did not draft; the layouts built
+    with these depths equal those built by the checked path."""
+    from trtllm_moespec.core.layout import _build_layout_tensors, build_layout
+    from trtllm_moespec.core.tree import DraftTree
+    from trtllm_moespec.engine.batch import _max_depths
+    from trtllm_moespec.engine.drafters import Draft
+
+    parents = torch.tensor([[-1, 0, 1, -1, 3, 4, 5, 0, 7, 8]])
+    tree = DraftTree.from_parents(torch.arange(10)[None], parents, torch.full((1, 10), 0.5))
+    draft = Draft(tree, None)
+    selections = [torch.tensor([[0, 1, 2, 3, -1]]), torch.tensor([[3, 4, 5, 6]]), torch.zeros(1, 0, dtype=torch.int64),
+                  torch.tensor([[0, 7, -1]]), torch.zeros(1, 0, dtype=torch.int64)]
+    depths = _max_depths([draft, draft, draft, draft, None], selections)
+    assert depths == [3, 4, 0, 2, None]
+    root = torch.tensor([42])
+    for node_idx, depth in zip(selections[:4], depths):
+        want = build_layout(tree, node_idx, root)  # the host path
+        got = _build_layout_tensors(tree, node_idx, root, depth)
+        for name in ("token_ids", "parent_pos", "depth", "valid", "num_nodes"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -224,7 +224,11 @@ class BatchedEngine:
         t0 = time.perf_counter()
         node_idx = self._select(running, drafts, predictions)
         roots = [token_tensor(a.request.output_ids[-1], self.target.device) for a in running]
-        layouts = [build_layout(d.tree, n, r) if d is not None else root_layout(r) for d, n, r in zip(drafts, node_idx, roots)]
+        # on the device all requests' deepest selected depths come back in one transfer, and the layouts
+        # then read nothing (on the CPU the layout's host path reads its lists anyway)
+        depths = _max_depths(drafts, node_idx) if self.target.device.type != "cpu" else [None] * len(running)
+        layouts = [build_layout(d.tree, n, r, depth) if d is not None else root_layout(r)
+                   for d, n, r, depth in zip(drafts, node_idx, roots, depths)]
         t_select = time.perf_counter() - t0
         t0 = time.perf_counter()
         outs = verify_batch(self.target, [a.cache for a in running], layouts)
@@ -272,7 +276,7 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
+        return [Draft(_within_budget(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
                 for d, r in zip(drafts, requests)]
 
     def _predict(self, active: _Active, draft: Draft):
@@ -347,6 +351,26 @@ class BatchedEngine:
             unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return _Finished(request, request.output_ids[before:], finished, parts, result, t_verify)
+
+
+def _within_budget(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The tree without nodes deeper than a request can still emit. A node's depth is at most the node
+    count, so a tree of no more nodes needs no trimming (and no read of its depths)."""
+    return limit_depth(tree, max_depth) if tree.num_nodes > max_depth else tree
+
+
+def _max_depths(drafts: list[Draft | None], node_idx: list[torch.Tensor]) -> list[int | None]:
+    """Per request the deepest selected depth (0: none selected; None: not drafted), all read back in
+    one transfer: `build_layout` given it reads nothing (one sync per step, not several per request)."""
+    live = [b for b, d in enumerate(drafts) if d is not None]
+    depths: list[int | None] = [None] * len(drafts)
+    if not live:
+        return depths
+    deepest = torch.stack([gather_nodes(drafts[b].tree.depth, node_idx[b], 0).max() if node_idx[b].numel()
+                           else node_idx[b].new_zeros(()) for b in live]).tolist()
+    for b, depth in zip(live, deepest):
+        depths[b] = depth
+    return depths
 
 
 def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[TargetOutput]) -> list[VerifyResult]:
@@ -463,8 +487,8 @@ def verify_batch(target: TargetModel, caches: list[TargetCache], layouts: list[T
         return [target.verify(c, layout) for c, layout in zip(caches, layouts)]
     from ..models.lean_forward import ForwardBatch
 
-    for c, layout in zip(caches, layouts):
-        target._check_ready(c, layout.token_ids)
+    for c, layout in zip(caches, layouts):  # token values checked on the CPU only (a read back: a sync on CUDA)
+        target._check_ready(c, layout.token_ids, check_values=target.device.type == "cpu")
     order = _slot_order(caches)
     caches, layouts = [caches[b] for b in order], [layouts[b] for b in order]
     prefix_lens = tuple(c.num_tokens for c in caches)
