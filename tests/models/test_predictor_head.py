@@ -61,6 +61,12 @@ def test_lookup_tables_equal_the_training_forward(target) -> None:
         ref = model(hidden, embed(ids), depth)
         got = model.forward_tables(hidden, ids, depth, model.token_tables(embed.weight))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # inference's layout, the root last: the rows split by position give the same logits
+    depth = torch.tensor([1, 2, 3, 4, 5, 9, 1, 2, 0])
+    with torch.no_grad():
+        ref = model(hidden, embed(ids), depth)
+        got = model.forward_tables(hidden, ids, depth, model.token_tables(embed.weight), root_last=True)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_root_and_nodes_use_their_own_input_layer(target) -> None:

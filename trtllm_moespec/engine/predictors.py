@@ -33,7 +33,8 @@ class LearnedExperts:
 
     def predict(self, context: list[int], tree: DraftTree, draft, cache) -> tuple[ExpertSets, torch.Tensor]:
         device = tree.token_ids.device
-        node_topk, root_topk = self.predictor.predict_tree(torch.tensor(context, device=device), tree)
+        # the context goes to the host anyway (the predictor builds its masks there): never via the device
+        node_topk, root_topk = self.predictor.predict_tree(torch.tensor(context), tree)
         experts = ExpertSets.from_topk_ids(node_topk[None].to(device), self.num_experts)
         return experts, pack_expert_ids(root_topk[None].to(device), self.num_experts)
 

@@ -120,11 +120,16 @@ class HeadPredictorModel(nn.Module):
         return F.linear(e, self.node_in.weight[:, H:]), F.linear(e, self.root_in.weight[:, H:])
 
     def forward_tables(self, hidden: torch.Tensor, token_ids: torch.Tensor, depth: torch.Tensor,
-                       tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                       tables: tuple[torch.Tensor, torch.Tensor], root_last: bool = False) -> torch.Tensor:
         """Same as forward() with the token halves looked up: hidden [M, H], token_ids / depth [M]; roots
-        (depth 0) and nodes are computed on their own rows only."""
+        (depth 0) and nodes are computed on their own rows only. `root_last`: the last row is the only
+        root (inference), so the rows split by position instead of by a mask read back from the device."""
         H = self.cfg.hidden_size
         h = self.hidden_norm(hidden.float())
+        if root_last:
+            node = F.linear(h[:-1], self.node_in.weight[:, :H]) + tables[0][token_ids[:-1]]
+            root = F.linear(h[-1:], self.root_in.weight[:, :H]) + tables[1][token_ids[-1:]]
+            return self._head(torch.cat([node, root]), depth)
         is_root = depth == 0
         pre = torch.empty(h.shape[0], self.cfg.intermediate_size, dtype=h.dtype, device=h.device)
         for mask, layer, table in ((~is_root, self.node_in, tables[0]), (is_root, self.root_in, tables[1])):
@@ -222,5 +227,5 @@ class DraftHeadPredictor:
         hidden = torch.cat([node_hidden.to(dev, torch.float32), root_hidden.to(dev, torch.float32)[None]])
         ids = torch.cat([node_ids.to(dev), torch.full((1,), int(root_id), dtype=node_ids.dtype, device=dev)])
         depth = torch.cat([node_depth.to(dev).clamp(min=1), torch.zeros(1, dtype=torch.int64, device=dev)])
-        topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables))
+        topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables, root_last=True))
         return topk[:-1], topk[-1]
