@@ -23,7 +23,11 @@ def token_tensor(token: int, device: torch.device) -> torch.Tensor:
 
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype)` on `device`, copied without a stream sync off the CPU."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`, copied without a stream sync (the tensor itself on the CPU)."""
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

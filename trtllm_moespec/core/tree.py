@@ -42,6 +42,15 @@ class DraftTree:
         """[B, N] float32 path probabilities, 0 for padded nodes."""
         return torch.where(self.valid, self.log_scores.exp(), torch.zeros_like(self.log_scores))
 
+    def on_host(self) -> "DraftTree":
+        """The tree on the CPU, read back in two transfers instead of one per field (itself on the CPU):
+        for host code that reads several fields of a device tree."""
+        if self.token_ids.device.type == "cpu":
+            return self
+        ints = torch.stack([self.token_ids, self.parents, self.depth, self.valid.long()]).cpu()
+        floats = torch.stack([self.draft_probs.float(), self.log_scores.float()]).cpu()
+        return DraftTree(ints[0], ints[1], ints[2], floats[0], floats[1], ints[3].bool())
+
     @property
     def num_valid(self) -> torch.Tensor:
         """[B] int64 number of real nodes per request."""

@@ -34,6 +34,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .device import to_device
 from .node_features import RecentFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
@@ -378,14 +379,16 @@ class _CalibratedRequest:
     _index: RecentFollowers = field(default_factory=RecentFollowers)  # the context's n-gram followers, incremental
 
     def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
-        local = self.model.local(tree, draft, context).detach().float()
-        groups = self.model.calibrator.node_groups(tree, context, self._index)
+        # host code from here on: a device tree is read back once, not once per feature
+        host = tree.on_host()
+        local = self.model.local(host, draft, context).detach().float().cpu()
+        groups = self.model.calibrator.node_groups(host, context, self._index)
         self._last = (local, groups)
-        cond = np.ones(tuple(tree.token_ids.shape))
-        valid = tree.valid.cpu().numpy()
+        cond = np.ones(tuple(host.token_ids.shape))
+        valid = host.valid.numpy()
         if valid.any():
-            cond[valid] = self.state.conditional(groups[valid], local.cpu().double().numpy()[valid])
-        return path_values(tree, torch.from_numpy(cond))
+            cond[valid] = self.state.conditional(groups[valid], local.double().numpy()[valid])
+        return to_device(path_values(host, torch.from_numpy(cond)), tree.token_ids.device)
 
     def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
         if not self.model.online or self._last is None or self._last[0].shape != tree.token_ids.shape:

@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..core.device import to_device
 from ..core.node_features import NGRAM_ORDERS, copy_features, sibling_rank
 from ..core.tree import DraftTree
 
@@ -176,10 +177,10 @@ class AcceptanceHead:
         if tree.num_nodes == 0:
             return torch.zeros(1, 0, device=device)
         # the rank and copy features are host work on the tree (a few hundred ints): one upload each
-        rank = torch.from_numpy(sibling_rank(tree)).to(device)
-        scalars = torch.from_numpy(node_scalars(tree, context or [])).to(device)
-        logits = self.model(hidden[0].to(device).float(), self._table[tree.token_ids[0].to(device)],
-                            tree.depth[0].to(device), rank, scalars)
+        rank = to_device(torch.from_numpy(sibling_rank(tree)), device)
+        scalars = to_device(torch.from_numpy(node_scalars(tree, context or [])), device)
+        logits = self.model(hidden[0].to(device).float(), self._table[to_device(tree.token_ids[0], device)],
+                            to_device(tree.depth[0], device), rank, scalars)
         return torch.sigmoid(logits)[None]
 
 
