@@ -225,6 +225,8 @@ def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
     """The drafter's `should_expand(tree, frontier [F])` hook from a core.drafting stop rule."""
 
     def should_expand(tree: DraftTree, frontier: torch.Tensor) -> bool:
+        # the rule is host code: a device tree is read back once for all of it
+        tree, frontier = tree.on_host(), frontier.cpu()
         num_forwards = int(tree.depth[0, frontier].max()) - 1  # a depth-d frontier took d - 1 forwards
         return not bool(rule(tree, frontier[None], num_forwards)[0])
 
