@@ -213,14 +213,17 @@ class SpecEngine:
         t0 = time.perf_counter()
         self.commit(request, cache, out, result)
         t_commit = time.perf_counter() - t0
+        # Everything the host reads of this step is read before the drafter's forward is queued: on a
+        # device a read waits for all queued work, so the bookkeeping below then overlaps that forward.
+        emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
+        hits, checked = _predictor_hits(experts, out, layout, result)
+        observed = self._observed(layout, out)
         t0 = time.perf_counter()
         drafter.commit(result, out)  # a drafter forward over the committed tokens
         t_draft += time.perf_counter() - t0
 
-        emitted = result.emitted_ids[0, : int(result.num_emitted[0])].tolist()
         done = self._append(request, emitted, out.logits[0], result)
-        hits, checked = _predictor_hits(experts, out, layout, result)
-        self._record(request, guard, True, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, True, emitted, observed, t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return done
@@ -244,23 +247,26 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
         done = self._append(request, emitted, out.logits[0])
-        self._record(request, guard, speculated, emitted, layout, out, t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
                      commit_ms=t_commit * 1e3)
         return done
 
+    def _observed(self, layout: TreeLayout, out: TargetOutput) -> dict:
+        """What the step's StepStats read from its verify: verified nodes and experts woken."""
+        return dict(verified_tokens=0 if layout.num_positions == 1 else int(layout.num_nodes[0]),
+                    unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
+                    **_per_rank_stats(out, self.placement))
+
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
-                layout: TreeLayout, out: TargetOutput, t_step: float, **times) -> None:
-        """The step's StepStats, and its outcome and wall time for the guard."""
-        verified = 0 if layout.num_positions == 1 else int(layout.num_nodes[0])
+                observed: dict, t_step: float, **times) -> None:
+        """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard."""
         request.steps.append(StepStats(
-            verified_tokens=verified, accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
-            unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
-            step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated,
-            **times, **_per_rank_stats(out, self.placement),
+            accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
+            step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated, **observed, **times,
         ))
         if guard is not None:
-            guard.observe(speculated, len(emitted), request.steps[-1].step_ms / 1e3, verified)
+            guard.observe(speculated, len(emitted), request.steps[-1].step_ms / 1e3, observed["verified_tokens"])
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth
