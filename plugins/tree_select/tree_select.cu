@@ -20,7 +20,9 @@ struct MoespecBlockTeam {
   }
 };
 
-__global__ void moespec_tree_select_kernel(MoespecParams p, const float* scores, const int64_t* parents,
+// Launch bounds: without them ptxas gives the kernel 78 registers, and blocks above ~800 threads fail to
+// launch (cudaErrorLaunchOutOfResources) although the API accepts up to 1024.
+__global__ void __launch_bounds__(1024) moespec_tree_select_kernel(MoespecParams p, const float* scores, const int64_t* parents,
                                            const uint8_t* valid, const int64_t* depth, const int64_t* node_bits,
                                            const int64_t* root_bits, const double* cost_table, int64_t* out_idx,
                                            int64_t* out_count, double* out_expected, double* out_cost,

@@ -44,8 +44,11 @@ def _select_tree_cuda(scores, parents, valid, depth, node_bits, root_bits, cost_
 
     m = parse_mode(mode)
     check_inputs(scores, parents, valid, depth, node_bits, root_bits, cost_table, m, budget, c0, c_tok, c_exp, eps)
-    return select_tree_triton(scores, parents, valid, depth, node_bits, root_bits, cost_table, m, budget,
-                              c0, c_tok, c_exp, eps)
+    # Triton launches on the current device and its stream: make that the inputs' device (cuda:1 while
+    # the current device is cuda:0 would read another GPU's pointers).
+    with torch.cuda.device(scores.device):
+        return select_tree_triton(scores, parents, valid, depth, node_bits, root_bits, cost_table, m, budget,
+                                  c0, c_tok, c_exp, eps)
 
 
 @select_tree_op.register_fake
