@@ -24,7 +24,7 @@ def test_triton_kernels_equal_reference_in_interpreter():
     assert "passed" in proc.stdout or "[100%]" in proc.stdout
 
 
-_EVICT_SIG = {"scores_ptr": "*fp32", "depth_ptr": "*i64", "valid_ptr": "*u8", "cost_ptr": "*fp64",
+_EVICT_SIG = {"scores_ptr": "*fp32", "order_ptr": "*i64", "valid_ptr": "*u8", "cost_ptr": "*fp64",
               "out_idx_ptr": "*i64", "out_count_ptr": "*i64", "out_expected_ptr": "*fp64", "out_cost_ptr": "*fp64",
               "N": "i32", "K_eff": "i32", "budget": "i32", "NB": "constexpr", "MB": "constexpr"}
 _GREEDY_SIG = {"scores_ptr": "*fp32", "parents_ptr": "*i64", "valid_ptr": "*u8", "depth_ptr": "*i64",

@@ -1,9 +1,10 @@
 """Triton kernels for tree selection, one program per request.
 
-`_evict_kernel`: ranks the nodes by (valid first, score desc, depth asc, index
-asc) with an N x N comparison, accumulates S_k in that order (float64, one add
-per k, the same order as the reference's cumsum) and keeps the first k in
-0..K_eff maximising (1 + S_k) / C(k).
+`_evict_kernel`: takes the nodes ranked by (valid first, score desc, depth asc, index
+asc) from `reference.score_rank_order` (torch stable sorts, on the device: an N x N
+comparison inside one program spilled at N = 256 and could not be built past N = 1024),
+accumulates S_k in that order (float64, one add per k, the same order as the reference's
+cumsum) and keeps the first k in 0..K_eff maximising (1 + S_k) / C(k).
 
 `_greedy_kernel`: EcoSpec / joint greedy growth of a parent-closed set. Per-node
 expert sets arrive as int64 words ([N, W], bit = layer * num_experts + expert),
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import score_rank_order
 from .spec import Mode, greedy_costs
 
 WORD_CHUNK = 32  # int64 words per tile column block (a [NB, WORD_CHUNK] tile per step)
@@ -47,7 +49,7 @@ def _popcount64(x):
 
 @triton.jit
 def _evict_kernel(
-    scores_ptr, depth_ptr, valid_ptr, cost_ptr,  # [B, N] f32/f64, [B, N] int, [B, N] u8, [K+1] f64
+    scores_ptr, order_ptr, valid_ptr, cost_ptr,  # [B, N] f32/f64, [B, N] i64 node idx by rank, [B, N] u8, [K+1] f64
     out_idx_ptr, out_count_ptr, out_expected_ptr, out_cost_ptr,  # [B, budget] i64, [B] i64, [B] f64, [B] f64
     N, K_eff, budget,
     NB: tl.constexpr, MB: tl.constexpr,
@@ -55,28 +57,7 @@ def _evict_kernel(
     b = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, NB)
     in_i = offs_i < N
-    s_i = tl.load(scores_ptr + b * N + offs_i, mask=in_i, other=0.0).to(tl.float64)
-    d_i = tl.load(depth_ptr + b * N + offs_i, mask=in_i, other=0).to(tl.int64)
     v_i = tl.load(valid_ptr + b * N + offs_i, mask=in_i, other=0) != 0
-    # Column copies for the pairwise "j before i" test.
-    offs_j = offs_i[:, None]
-    in_j = offs_j < N
-    s_j = tl.load(scores_ptr + b * N + offs_j, mask=in_j, other=0.0).to(tl.float64)
-    d_j = tl.load(depth_ptr + b * N + offs_j, mask=in_j, other=0).to(tl.int64)
-    v_j = tl.load(valid_ptr + b * N + offs_j, mask=in_j, other=0) != 0
-    si = s_i[None, :]
-    di = d_i[None, :]
-    vi = v_i[None, :]
-    ii = offs_i[None, :]
-    same_v = v_j == vi
-    tie_s = s_j == si
-    tie_d = d_j == di
-    key_before = (s_j > si) | (tie_s & (d_j < di)) | (tie_s & tie_d & (offs_j < ii))
-    # Padded nodes: only the index orders them (their order never reaches the output).
-    before = (v_j & ~vi) | (same_v & vi & key_before) | (same_v & ~vi & (offs_j < ii))
-    before = before & in_j
-    rank = tl.sum(before.to(tl.int32), axis=0)  # [NB]
-    rank = tl.where(in_i, rank, NB + N)
     num_valid = tl.sum((v_i & in_i).to(tl.int32), axis=0)
     k_max = tl.minimum(num_valid, K_eff)
 
@@ -85,9 +66,9 @@ def _evict_kernel(
     best_exp = tl.full([], 1.0, tl.float64)
     best_cost = tl.load(cost_ptr).to(tl.float64)
     best_util = best_exp / best_cost
-    for k in range(1, K_eff + 1):
-        s_k = tl.sum(tl.where(rank == k - 1, s_i, 0.0), axis=0)  # exactly one non-zero term
-        cu = cu + s_k
+    for k in range(1, K_eff + 1):  # K_eff <= N: rank k - 1 is a node
+        node = tl.load(order_ptr + b * N + k - 1)
+        cu = cu + tl.load(scores_ptr + b * N + node).to(tl.float64)
         expected = 1.0 + cu
         cost_k = tl.load(cost_ptr + k).to(tl.float64)
         util = expected / cost_k
@@ -98,7 +79,7 @@ def _evict_kernel(
         best_cost = tl.where(better, cost_k, best_cost)
 
     offs_r = tl.arange(0, MB)
-    node_of_rank = tl.sum(tl.where(rank[None, :] == offs_r[:, None], offs_i[None, :], 0), axis=1)
+    node_of_rank = tl.load(order_ptr + b * N + offs_r, mask=offs_r < N, other=-1)
     out = tl.where(offs_r < best_k, node_of_rank.to(tl.int64), -1)
     tl.store(out_idx_ptr + b * budget + offs_r, out, mask=offs_r < budget)
     tl.store(out_count_ptr + b, best_k)
@@ -257,7 +238,8 @@ def select_tree_triton(
     if mode == Mode.EVICT:
         table = cost_table.contiguous().double()
         k_eff = min(budget, table.shape[0] - 1, N)
-        _evict_kernel[(B,)](scores, depth, valid, table, node_idx, count, expected, cost,
+        order = score_rank_order(scores, valid.bool(), depth).contiguous()  # [B, N] torch sorts, no host read
+        _evict_kernel[(B,)](scores, order, valid, table, node_idx, count, expected, cost,
                             N, k_eff, budget, NB=NB, MB=MB, num_warps=4, enable_fp_fusion=False)
         return node_idx, count, expected, cost
     g = greedy_costs(mode, c_tok, c_exp, eps)
