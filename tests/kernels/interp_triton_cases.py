@@ -24,9 +24,10 @@ from tests.kernels.cases import MODES, assert_same_selection, random_case
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_select.py (needs TRITON_INTERPRET=1)"
 
 
-def _triton(case, mode, word_chunk=2):
-    # Small word chunks: the chunk loop (and a partial last chunk) runs even for W = 2..3.
-    return Selection(*select_tree_triton(*case.args(), mode=parse_mode(mode), word_chunk=word_chunk, **case.kwargs()))
+def _triton(case, mode, word_chunk=2, node_chunk=4):
+    # Small chunks: the word and node loops (and a partial last chunk) run even for W = 2..3 and N = 5..10.
+    return Selection(*select_tree_triton(*case.args(), mode=parse_mode(mode), word_chunk=word_chunk,
+                                         node_chunk=node_chunk, **case.kwargs()))
 
 
 @settings(max_examples=int(os.environ.get("MOESPEC_INTERP_EXAMPLES", "10")), deadline=None)

@@ -28,11 +28,11 @@ _EVICT_SIG = {"scores_ptr": "*fp32", "order_ptr": "*i64", "valid_ptr": "*u8", "c
               "out_idx_ptr": "*i64", "out_count_ptr": "*i64", "out_expected_ptr": "*fp64", "out_cost_ptr": "*fp64",
               "N": "i32", "K_eff": "i32", "budget": "i32", "NB": "constexpr", "MB": "constexpr"}
 _GREEDY_SIG = {"scores_ptr": "*fp32", "parents_ptr": "*i64", "valid_ptr": "*u8", "depth_ptr": "*i64",
-               "bits_ptr": "*i64", "root_ptr": "*i64", "buffer_ptr": "*i64", "out_idx_ptr": "*i64", "out_count_ptr": "*i64",
-               "out_expected_ptr": "*fp64", "out_cost_ptr": "*fp64", "N": "i32", "W": "i32", "M": "i32",
+               "bits_ptr": "*i64", "root_ptr": "*i64", "buffer_ptr": "*i64", "count_ptr": "*i64", "out_idx_ptr": "*i64",
+               "out_count_ptr": "*i64", "out_expected_ptr": "*fp64", "out_cost_ptr": "*fp64", "N": "i32", "W": "i32", "M": "i32",
                "budget": "i32", "token_cost_bits": "i64", "expert_cost_bits": "i64", "c0_bits": "i64",
                "c_tok_bits": "i64", "c_exp_bits": "i64", "NB": "constexpr", "WB": "constexpr", "MB": "constexpr",
-               "MARGINAL": "constexpr", "USE_ROOT": "constexpr", "JOINT": "constexpr"}
+               "NC": "constexpr", "MARGINAL": "constexpr", "USE_ROOT": "constexpr", "JOINT": "constexpr"}
 
 
 @pytest.mark.parametrize("arch", [90, 80])
@@ -49,7 +49,13 @@ def test_triton_kernels_compile_for_gpu(arch):
                                                                          (True, True, True)]
     for marginal, root, joint in modes:
         builds.append(ASTSource(ts._greedy_kernel, _GREEDY_SIG, constexprs={
-            "NB": 64, "WB": 32, "MB": 64, "MARGINAL": marginal, "USE_ROOT": root, "JOINT": joint}))
+            "NB": 64, "WB": 32, "MB": 64, "NC": 32, "MARGINAL": marginal, "USE_ROOT": root, "JOINT": joint}))
+    # The default tree's 200 nodes (NB 256) and the largest (4096): node-blocked tiles keep these cheap to build
+    # (a whole-tree tile took minutes past NB 512 and spilled kilobytes per thread at 256).
+    for NB in (256, 4096):
+        builds.append(ASTSource(ts._evict_kernel, _EVICT_SIG, constexprs={"NB": NB, "MB": 64}))
+        builds.append(ASTSource(ts._greedy_kernel, _GREEDY_SIG, constexprs={
+            "NB": NB, "WB": 32, "MB": 64, "NC": 32, "MARGINAL": True, "USE_ROOT": True, "JOINT": True}))
     for src in builds:
         kernel = triton.compile(src, target=target, options=opts)
         ptx = kernel.asm["ptx"]

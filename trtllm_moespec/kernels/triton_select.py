@@ -8,7 +8,9 @@ cumsum) and keeps the first k in 0..K_eff maximising (1 + S_k) / C(k).
 
 `_greedy_kernel`: EcoSpec / joint greedy growth of a parent-closed set. Per-node
 expert sets arrive as int64 words ([N, W], bit = layer * num_experts + expert),
-processed in chunks of WB words so 94 x 256 experts (376 words) fit. In the
+processed in tiles of NODE_CHUNK nodes x WB words so 94 x 256 experts (376 words) and
+trees of thousands of nodes fit (the per-node counts of a pass go through a [B, N]
+workspace row: a whole-tree tile spilled from registers at 256 nodes). In the
 marginal modes new(v) = |node(v) \\ B| (v's parent is selected, so its path is
 already inside the buffer B: the same number as |E_path(v) \\ B|), B = root | OR of
 the selected nodes' sets, kept in a [B, W] workspace row (stored after each pick,
@@ -32,7 +34,8 @@ import triton.language as tl
 from .reference import score_rank_order
 from .spec import Mode, greedy_costs
 
-WORD_CHUNK = 32  # int64 words per tile column block (a [NB, WORD_CHUNK] tile per step)
+WORD_CHUNK = 32  # int64 words per tile column block
+NODE_CHUNK = 32  # nodes per tile row block: a [NODE_CHUNK, WORD_CHUNK] int64 tile is 8 KB over a program's threads
 
 
 @triton.jit
@@ -90,11 +93,11 @@ def _evict_kernel(
 @triton.jit(do_not_specialize=["token_cost_bits", "expert_cost_bits", "c0_bits", "c_tok_bits", "c_exp_bits"])
 def _greedy_kernel(
     scores_ptr, parents_ptr, valid_ptr, depth_ptr,  # [B, N]
-    bits_ptr, root_ptr, buffer_ptr,  # [B, N, W] i64 per-node sets, [B, W] i64 root set, [B, W] i64 workspace
+    bits_ptr, root_ptr, buffer_ptr, count_ptr,  # [B, N, W] i64 node sets, [B, W] i64 root set; workspaces [B, W], [B, N] i64
     out_idx_ptr, out_count_ptr, out_expected_ptr, out_cost_ptr,
     N, W, M, budget,
     token_cost_bits, expert_cost_bits, c0_bits, c_tok_bits, c_exp_bits,  # float64 scalars as int64 bit patterns
-    NB: tl.constexpr, WB: tl.constexpr, MB: tl.constexpr,
+    NB: tl.constexpr, WB: tl.constexpr, MB: tl.constexpr, NC: tl.constexpr,
     MARGINAL: tl.constexpr, USE_ROOT: tl.constexpr, JOINT: tl.constexpr,
 ):
     # Python floats would arrive as fp32: the float64 scalars travel as their bits.
@@ -110,12 +113,10 @@ def _greedy_kernel(
     par = tl.load(parents_ptr + b * N + offs, mask=in_n, other=-1).to(tl.int64)
     val = (tl.load(valid_ptr + b * N + offs, mask=in_n, other=0) != 0) & in_n
     offs_w = tl.arange(0, WB)
-    row = (b * N + offs[:, None]) * W  # [NB, 1] word offset of each node's set
+    offs_c = tl.arange(0, NC)
 
-    # U_0 = |root| and, in the static mode, |E_path(v) \ root| per node.
+    # U_0 = |root|; B starts at the root's set.
     u = tl.zeros([], tl.int64)
-    static_new = tl.zeros([NB], tl.int64)
-    max_depth = tl.max(tl.load(depth_ptr + b * N + offs, mask=in_n, other=0).to(tl.int64), axis=0)
     for c in range(0, W, WB):
         w = c + offs_w
         in_w = w < W
@@ -124,18 +125,34 @@ def _greedy_kernel(
             root_c = tl.load(root_ptr + b * W + w, mask=in_w, other=0)
             u += tl.sum(_popcount64(root_c), axis=0)
         if MARGINAL:
-            tl.store(buffer_ptr + b * W + w, root_c, mask=in_w)  # B starts at the root's set
-        if not MARGINAL:
-            m2 = in_n[:, None] & in_w[None, :]
-            acc = tl.load(bits_ptr + row + w[None, :], mask=m2, other=0)
-            p = par
-            for _ in range(1, max_depth):
-                has_p = (p >= 0) & in_n
-                p_safe = tl.where(has_p, p, 0)
-                acc = acc | tl.load(bits_ptr + (b * N + p_safe[:, None]) * W + w[None, :],
-                                    mask=has_p[:, None] & in_w[None, :], other=0)
-                p = tl.where(has_p, tl.load(parents_ptr + b * N + p_safe, mask=has_p, other=-1).to(tl.int64), -1)
-            static_new += tl.sum(_popcount64(acc & ~root_c[None, :]), axis=1)
+            tl.store(buffer_ptr + b * W + w, root_c, mask=in_w)
+    static_new = tl.zeros([NB], tl.int64)
+    if not MARGINAL:  # the static mode: |E_path(v) \ root| per node, once, a block of nodes at a time
+        max_depth = tl.max(tl.load(depth_ptr + b * N + offs, mask=in_n, other=0).to(tl.int64), axis=0)
+        for n0 in range(0, N, NC):
+            nodes = n0 + offs_c
+            in_c = nodes < N
+            par_c = tl.load(parents_ptr + b * N + nodes, mask=in_c, other=-1).to(tl.int64)
+            total = tl.zeros([NC], tl.int64)
+            for c in range(0, W, WB):
+                w = c + offs_w
+                in_w = w < W
+                root_c = tl.zeros([WB], tl.int64)
+                if USE_ROOT:
+                    root_c = tl.load(root_ptr + b * W + w, mask=in_w, other=0)
+                acc = tl.load(bits_ptr + (b * N + nodes[:, None]) * W + w[None, :],
+                              mask=in_c[:, None] & in_w[None, :], other=0)
+                p = par_c
+                for _ in range(1, max_depth):
+                    has_p = (p >= 0) & in_c
+                    p_safe = tl.where(has_p, p, 0)
+                    acc = acc | tl.load(bits_ptr + (b * N + p_safe[:, None]) * W + w[None, :],
+                                        mask=has_p[:, None] & in_w[None, :], other=0)
+                    p = tl.where(has_p, tl.load(parents_ptr + b * N + p_safe, mask=has_p, other=-1).to(tl.int64), -1)
+                total += tl.sum(_popcount64(acc & ~root_c[None, :]), axis=1)
+            tl.store(count_ptr + b * N + nodes, total, mask=in_c)
+        tl.debug_barrier()
+        static_new = tl.load(count_ptr + b * N + offs, mask=in_n, other=0)
     tl.debug_barrier()
 
     selected = offs < 0  # all False
@@ -154,14 +171,21 @@ def _greedy_kernel(
     for n in range(0, M):
         cand = val & ~selected & parent_ok
         new = static_new
-        if MARGINAL:
-            new = tl.zeros([NB], tl.int64)
-            for c in range(0, W, WB):
-                w = c + offs_w
-                in_w = w < W
-                tile = tl.load(bits_ptr + row + w[None, :], mask=in_n[:, None] & in_w[None, :], other=0)
-                buf = tl.load(buffer_ptr + b * W + w, mask=in_w, other=0)
-                new += tl.sum(_popcount64(tile & ~buf[None, :]), axis=1)
+        if MARGINAL:  # new(v) = |node(v) \ B|, a block of nodes at a time, gathered through the workspace row
+            for n0 in range(0, N, NC):
+                nodes = n0 + offs_c
+                in_c = nodes < N
+                total = tl.zeros([NC], tl.int64)
+                for c in range(0, W, WB):
+                    w = c + offs_w
+                    in_w = w < W
+                    tile = tl.load(bits_ptr + (b * N + nodes[:, None]) * W + w[None, :],
+                                   mask=in_c[:, None] & in_w[None, :], other=0)
+                    buf = tl.load(buffer_ptr + b * W + w, mask=in_w, other=0)
+                    total += tl.sum(_popcount64(tile & ~buf[None, :]), axis=1)
+                tl.store(count_ptr + b * N + nodes, total, mask=in_c)
+            tl.debug_barrier()
+            new = tl.load(count_ptr + b * N + offs, mask=in_n, other=0)
         key = s / (token_cost + expert_cost * new.to(tl.float64))
         key = tl.where(cand, key, float("-inf"))
         top = tl.max(key, axis=0)
@@ -215,14 +239,17 @@ def select_tree_triton(
     scores: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor,
     node_bits: torch.Tensor, root_bits: torch.Tensor, cost_table: torch.Tensor,
     mode: Mode, budget: int, c0: float, c_tok: float, c_exp: float, eps: float, word_chunk: int = WORD_CHUNK,
+    node_chunk: int = NODE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernels (inputs already checked by spec.check_inputs); returns the op's 4 outputs.
 
-    word_chunk: int64 words per tile step (a power of two; tests vary it to cover the chunk loop).
+    word_chunk / node_chunk: int64 words / nodes per tile step (powers of two; tests vary them to cover
+    the chunk loops).
     Allocates only outputs and never syncs, so it can run under CUDA graph capture.
     """
-    if word_chunk < 1 or word_chunk & (word_chunk - 1):
-        raise ValueError(f"word_chunk must be a power of two, got {word_chunk}")
+    for name, chunk in (("word_chunk", word_chunk), ("node_chunk", node_chunk)):
+        if chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"{name} must be a power of two, got {chunk}")
     B, N = scores.shape
     W = node_bits.shape[2]
     dev = scores.device
@@ -246,11 +273,12 @@ def select_tree_triton(
     bits = node_bits.contiguous()
     root = root_bits.contiguous()
     buffer = torch.empty(B, max(W, 1), dtype=torch.int64, device=dev)  # expert buffer B per request
+    counts = torch.empty(B, max(N, 1), dtype=torch.int64, device=dev)  # new experts per node, per pass
     _greedy_kernel[(B,)](
-        scores, parents, valid, depth, bits, root, buffer, node_idx, count, expected, cost,
+        scores, parents, valid, depth, bits, root, buffer, counts, node_idx, count, expected, cost,
         N, W, min(budget, N), budget,
         float_bits(g.token_cost), float_bits(g.expert_cost), float_bits(c0), float_bits(c_tok), float_bits(c_exp),
-        NB=NB, WB=min(word_chunk, _pow2(W)), MB=MB, MARGINAL=g.marginal, USE_ROOT=g.use_root,
-        JOINT=mode == Mode.JOINT, num_warps=4, enable_fp_fusion=False,
+        NB=NB, WB=min(word_chunk, _pow2(W)), MB=MB, NC=min(node_chunk, NB), MARGINAL=g.marginal,
+        USE_ROOT=g.use_root, JOINT=mode == Mode.JOINT, num_warps=4, enable_fp_fusion=False,
     )
     return node_idx, count, expected, cost
