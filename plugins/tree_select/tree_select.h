@@ -189,12 +189,16 @@ MOESPEC_HD inline MoespecWorkspace moespec_workspace(int64_t* ws, int64_t n, int
   return s;
 }
 
+// A NaN score ranks below every number (as the reference's sort puts it last): the order stays total,
+// so the ranks below are a permutation and every slot of ws.count is written.
+MOESPEC_HD inline double moespec_rank_score(float s) { return s != s ? -INFINITY : static_cast<double>(s); }
+
 // Does node j come before node i in (valid first, score desc, depth asc, index asc)?
 MOESPEC_HD inline bool moespec_before(const MoespecRequest& r, int64_t j, int64_t i) {
   const bool vj = r.valid[j] != 0, vi = r.valid[i] != 0;
   if (vj != vi) return vj;
   if (!vi) return j < i;
-  const double sj = r.scores[j], si = r.scores[i];
+  const double sj = moespec_rank_score(r.scores[j]), si = moespec_rank_score(r.scores[i]);
   if (sj != si) return sj > si;
   if (r.depth[j] != r.depth[i]) return r.depth[j] < r.depth[i];
   return j < i;
@@ -245,7 +249,11 @@ MOESPEC_HD inline int64_t moespec_static_new(const MoespecRequest& r, const Moes
   int64_t total = 0;
   for (int64_t w = 0; w < w_count; ++w) {
     int64_t acc = r.node_bits[v * w_count + w];
-    for (int64_t a = r.parents[v]; a >= 0; a = r.parents[a]) acc |= r.node_bits[a * w_count + w];
+    // at most n ancestors, each inside the tree: a corrupt parent list (a cycle, an index past the
+    // tree) ends the walk instead of hanging the kernel or reading past the buffers
+    int64_t steps = 0;
+    for (int64_t a = r.parents[v]; a >= 0 && a < p.num_nodes && steps < p.num_nodes; a = r.parents[a], ++steps)
+      acc |= r.node_bits[a * w_count + w];
     if (p.use_root) acc &= ~r.root_bits[w];
     total += moespec_popcount(acc);
   }

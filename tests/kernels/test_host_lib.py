@@ -65,3 +65,27 @@ def test_host_status_errors(host):
               None, None, None, None) == 4  # evict without a cost table
     assert fn(1, 4, 1, None, None, None, None, None, None, None, 1, 3, 2, 0.1, -1.0, 0.0, 1e-3, 1,
               None, None, None, None) == 3  # joint cost model that can go non-positive
+
+
+def test_host_survives_nan_scores_and_corrupt_parents(host):
+    """The native plugin validates nothing, so garbage in must not crash it. NaN scores rank last (before,
+    they made ranks collide, leaving workspace slots unwritten: indices read from uninitialised memory);
+    a parent list with a cycle or an index past the tree ends the ancestor walk (ecospec_global) instead
+    of hanging or reading past the buffers. What is selected from such input is unspecified (the
+    reference's NaN arithmetic differs); that it is a set of distinct in-range nodes is checked."""
+    case = random_case(11, 2, 12, budget=8)
+    N, budget = case.scores.shape[1], case.kwargs()["budget"]
+    scores = case.scores.clone()
+    scores[0, [1, 4, 7]] = float("nan")
+    parents = case.parents.clone()
+    parents[0, 3], parents[0, 5] = 5, 3  # a cycle
+    parents[1, 2] = 1000  # past the tree
+    for bad, mode in ((type(case)(**{**case.__dict__, "scores": scores}), "evict"),
+                      (type(case)(**{**case.__dict__, "parents": parents}), "ecospec_global")):
+        for lanes in (1, 3):
+            got = host.select(*bad.args(), mode=mode, num_lanes=lanes, **bad.kwargs())
+            assert got.node_idx.shape == (2, budget)
+            for row, n in zip(got.node_idx.tolist(), got.num_selected.tolist()):
+                picked = row[:n]
+                assert 0 <= n <= budget and all(0 <= v < N for v in picked) and len(set(picked)) == n
+                assert all(v == -1 for v in row[n:])

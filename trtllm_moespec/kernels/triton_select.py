@@ -144,7 +144,7 @@ def _greedy_kernel(
                               mask=in_c[:, None] & in_w[None, :], other=0)
                 p = par_c
                 for _ in range(1, max_depth):
-                    has_p = (p >= 0) & in_c
+                    has_p = (p >= 0) & (p < N) & in_c  # a parent past the tree is not read
                     p_safe = tl.where(has_p, p, 0)
                     acc = acc | tl.load(bits_ptr + (b * N + p_safe[:, None]) * W + w[None, :],
                                         mask=has_p[:, None] & in_w[None, :], other=0)
