@@ -51,6 +51,15 @@ def _popcount64(x):
 
 
 @triton.jit
+def _root_words(root_ptr, b, W, w, USE_ROOT: tl.constexpr):
+    """Words w of request b's root expert set (zeros when the mode has no root)."""
+    if USE_ROOT:
+        return tl.load(root_ptr + b * W + w, mask=w < W, other=0)
+    else:
+        return tl.zeros_like(w).to(tl.int64)
+
+
+@triton.jit
 def _evict_kernel(
     scores_ptr, order_ptr, valid_ptr, cost_ptr,  # [B, N] f32/f64, [B, N] i64 node idx by rank, [B, N] u8, [K+1] f64
     out_idx_ptr, out_count_ptr, out_expected_ptr, out_cost_ptr,  # [B, budget] i64, [B] i64, [B] f64, [B] f64
@@ -120,10 +129,8 @@ def _greedy_kernel(
     for c in range(0, W, WB):
         w = c + offs_w
         in_w = w < W
-        root_c = tl.zeros([WB], tl.int64)
-        if USE_ROOT:
-            root_c = tl.load(root_ptr + b * W + w, mask=in_w, other=0)
-            u += tl.sum(_popcount64(root_c), axis=0)
+        root_c = _root_words(root_ptr, b, W, w, USE_ROOT)
+        u += tl.sum(_popcount64(root_c), axis=0)
         if MARGINAL:
             tl.store(buffer_ptr + b * W + w, root_c, mask=in_w)
     static_new = tl.zeros([NB], tl.int64)
@@ -137,9 +144,7 @@ def _greedy_kernel(
             for c in range(0, W, WB):
                 w = c + offs_w
                 in_w = w < W
-                root_c = tl.zeros([WB], tl.int64)
-                if USE_ROOT:
-                    root_c = tl.load(root_ptr + b * W + w, mask=in_w, other=0)
+                root_c = _root_words(root_ptr, b, W, w, USE_ROOT)
                 acc = tl.load(bits_ptr + (b * N + nodes[:, None]) * W + w[None, :],
                               mask=in_c[:, None] & in_w[None, :], other=0)
                 p = par_c
