@@ -290,7 +290,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (CI)")
-    ap.add_argument("--time-limit", type=float, default=float(os.environ.get("MEASURE_TIMEOUT", 200)),
+    ap.add_argument("--time-limit", type=float, default=float(os.environ.get("MEASURE_TIMEOUT", 180)),
                     help="seconds this run may take (gpu_check.sh's MEASURE_TIMEOUT): bounds the batch sweep")
     args = ap.parse_args(argv)
     start = time.perf_counter()

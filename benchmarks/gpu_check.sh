@@ -7,8 +7,9 @@
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   OUT=/tmp/smoke bash benchmarks/gpu_check.sh --cpu-smoke  # tiny shapes on CPU (CI runs this)
 #
-# TEST_TIMEOUT / MEASURE_TIMEOUT (seconds, default 75 / 200; a pytest run that ignores the interrupt
-# is killed 5 s later) bound each pytest run and the measurements, so the whole script stays under
+# TEST_TIMEOUT / MEASURE_TIMEOUT (seconds; defaults 75 for the kernel tests, 95 for the engine tests
+# (22 tests, most a model load and a generation) and 180 for the measurements; a pytest run that ignores
+# the interrupt is killed 5 s later) bound each pytest run and the measurements, so the whole script stays under
 # 6 minutes (the batch sweep, last, skips the batch sizes it cannot start 30 s before MEASURE_TIMEOUT).
 # Exit status 1 if a test, a measurement or the sweep's exactness check fails.
 # Nothing is installed from the network: the project is used in place through PYTHONPATH
@@ -26,11 +27,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PY="${PYTHON:-$(command -v python || command -v python3 || echo python)}"  # images often ship python3 only
 status=0
 
-run_tests() {  # name, then pytest arguments; writes $OUT/tests_<name>.txt and keeps going on failure
-  local name="$1"; shift
+run_tests() {  # name, default timeout, then pytest arguments; writes $OUT/tests_<name>.txt and keeps going on failure
+  local name="$1" limit="${TEST_TIMEOUT:-$2}"; shift 2
   # SIGINT, not timeout's default SIGTERM: pytest then still writes the failures so far, the summary
   # (-rA: every test's outcome) and where it hung; -k 5 kills it if a CUDA call does not return.
-  timeout -s INT -k 5 "${TEST_TIMEOUT:-75}" "$PY" -m pytest -o addopts= -q -rA -p no:randomly -p no:cacheprovider "$@" \
+  timeout -s INT -k 5 "$limit" "$PY" -m pytest -o addopts= -q -rA -p no:randomly -p no:cacheprovider "$@" \
     >"$OUT/tests_$name.txt" 2>&1
   local rc=$?
   echo "tests $name: exit $rc ($(tail -n 1 "$OUT/tests_$name.txt"))"
@@ -44,8 +45,8 @@ if ! "$PY" -c "import pytest" 2>/dev/null && [[ -d "$ROOT/runs/gpu_deps" ]]; the
 fi
 "$PY" -c "import pytest" 2>/dev/null || echo "no pytest here: the CUDA tests cannot run (bash benchmarks/gpu_deps.sh where pip works, then carry runs/gpu_deps)"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-run_tests kernels tests/kernels/test_cuda.py
-run_tests engine tests/engine/test_cuda_engine.py
-timeout "${MEASURE_TIMEOUT:-200}" "$PY" -m benchmarks.gpu_check --out "$OUT" --time-limit "${MEASURE_TIMEOUT:-200}" $SMOKE || status=1
+run_tests kernels 75 tests/kernels/test_cuda.py
+run_tests engine 95 tests/engine/test_cuda_engine.py
+timeout "${MEASURE_TIMEOUT:-180}" "$PY" -m benchmarks.gpu_check --out "$OUT" --time-limit "${MEASURE_TIMEOUT:-180}" $SMOKE || status=1
 echo "== done (status $status); JSON: $OUT/gpu_check.json"
 exit $status
