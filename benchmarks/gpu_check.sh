@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests (graphs on/off), select_tree timings,
 # lean-engine vs transformers AR tokens/s, ar/eagle3 tokens/s with CUDA graphs on vs off, C(k) with and without CUDA graphs on a
-# random-weight Qwen3-30B-A3B-shaped model, and a batch sweep (batched engine at B = 1, 2, 4, 8: ar/eagle3/joint-batch
+# random-weight Qwen3-30B-A3B-shaped model, the host syncs per speculative step before the verify, and a batch sweep (batched engine at B = 1, 2, 4, 8: ar/eagle3/joint-batch
 # tokens/s, each request's greedy tokens checked against single-request ar) (benchmarks/gpu_check.py). JSON goes under $OUT.
 #
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
