@@ -21,11 +21,17 @@ def score_rank_order(scores: torch.Tensor, valid: torch.Tensor, depth: torch.Ten
 
     core.tree.score_order with the float scores as the key instead of log-scores.
     """
-    B, N = scores.shape
-    order = torch.arange(N, device=scores.device).expand(B, N)
+    return rank_order(-scores.double(), valid, depth)
+
+
+def rank_order(neg_key: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """[B, N] node idx sorted by (valid first, neg_key asc, depth asc, index asc): stable sorts from the
+    least significant key up, torch ops only (no host read, any device)."""
+    B, N = neg_key.shape
+    order = torch.arange(N, device=neg_key.device).expand(B, N)
     key_depth = torch.where(valid, depth.long(), N + 1)
     order = order.gather(1, key_depth.gather(1, order).argsort(dim=1, stable=True))
-    key_score = torch.where(valid, -scores.double(), math.inf)
+    key_score = torch.where(valid, neg_key, math.inf)
     order = order.gather(1, key_score.gather(1, order).argsort(dim=1, stable=True))
     key_valid = (~valid).to(torch.int8)
     return order.gather(1, key_valid.gather(1, order).argsort(dim=1, stable=True))

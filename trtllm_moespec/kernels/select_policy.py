@@ -16,6 +16,7 @@ from ..core.experts import ExpertSets
 from ..core.policies import EcoSpecPolicy, Eagle3Policy, EvictPolicy, JointPolicy, Selection, SelectionPolicy
 from ..core.tree import DraftTree, gather_nodes
 from .op import select_tree
+from .reference import rank_order
 
 # C(k) tables already on a device: a table uploaded every step would be a blocking copy (a stream sync).
 _TABLES: dict[tuple[tuple[float, ...], str], torch.Tensor] = {}
@@ -54,21 +55,12 @@ def _table_on(table: CostTable, device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def score_order_on_device(tree: DraftTree) -> torch.Tensor:
-    """[B, N] `core.tree.score_order` with torch ops only (no host read): node idx by (valid first,
-    score desc, depth asc, index asc), as stable sorts from the least significant key up."""
-    neg_score = torch.where(tree.valid, -tree.log_scores.double(), math.inf)
-    order = tree.depth.argsort(dim=1, stable=True)  # ties keep index order
-    order = order.gather(1, neg_score.gather(1, order).argsort(dim=1, stable=True))
-    invalid = (~tree.valid).to(torch.uint8)
-    return order.gather(1, invalid.gather(1, order).argsort(dim=1, stable=True))
-
-
 def eagle3_top_nodes(tree: DraftTree, budget: int) -> Selection:
     """`Eagle3Policy.select` without a host read: the top-`budget` valid nodes by score (-1 after
-    the valid ones), their count and 1 + their summed scores."""
+    the valid ones), their count and 1 + their summed scores. The order is `core.tree.score_order`'s:
+    ranked on the log scores (two log scores may share one float32 score)."""
     B, N = tree.token_ids.shape
-    order = score_order_on_device(tree)[:, :budget]
+    order = rank_order(-tree.log_scores.double(), tree.valid, tree.depth)[:, :budget]
     node_idx = torch.where(gather_nodes(tree.valid, order, False), order, -1)
     if node_idx.shape[1] < budget:  # fewer nodes than the budget
         node_idx = torch.nn.functional.pad(node_idx, (0, budget - node_idx.shape[1]), value=-1)
