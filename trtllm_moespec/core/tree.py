@@ -388,8 +388,19 @@ def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:
     return torch.from_numpy(top).to(tree.token_ids.device)
 
 
+def deepest_selected(tree: DraftTree, node_idx: torch.Tensor) -> torch.Tensor:
+    """0-dim: the largest depth among the selected nodes node_idx [B, K] (-1 pad), 0 when none is,
+    on the tree's device (callers stack it with other values into one read back)."""
+    return gather_nodes(tree.depth, node_idx, 0).max() if node_idx.numel() else node_idx.new_zeros(())
+
+
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
-    """Drop nodes deeper than max_depth (marks them padded); the rest stays parent-closed."""
+    """Drop nodes deeper than max_depth (marks them padded); the rest stays parent-closed.
+
+    A node's depth is at most the node count, so a tree of no more nodes than max_depth is returned
+    as it is, without reading its depths back (a device sync for a tree on an accelerator)."""
+    if tree.num_nodes <= max_depth:
+        return tree
     keep = tree.valid & (tree.depth <= max_depth)
     if bool(keep.equal(tree.valid)):
         return tree

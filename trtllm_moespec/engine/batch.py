@@ -38,7 +38,7 @@ from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_
 from ..core.device import host_tensor, token_tensor
 from ..core.layout import TreeLayout, build_layout, root_layout
 from ..core.select import path_bits
-from ..core.tree import DraftTree, gather_nodes, limit_depth, top_k_nodes
+from ..core.tree import DraftTree, deepest_selected, gather_nodes, limit_depth, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
@@ -276,7 +276,7 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(_within_budget(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
+        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
                 for d, r in zip(drafts, requests)]
 
     def _predict(self, active: _Active, draft: Draft):
@@ -353,12 +353,6 @@ class BatchedEngine:
         return _Finished(request, request.output_ids[before:], finished, parts, result, t_verify)
 
 
-def _within_budget(tree: DraftTree, max_depth: int) -> DraftTree:
-    """The tree without nodes deeper than a request can still emit. A node's depth is at most the node
-    count, so a tree of no more nodes needs no trimming (and no read of its depths)."""
-    return limit_depth(tree, max_depth) if tree.num_nodes > max_depth else tree
-
-
 def _max_depths(drafts: list[Draft | None], node_idx: list[torch.Tensor]) -> list[int | None]:
     """Per request the deepest selected depth (0: none selected; None: not drafted), all read back in
     one transfer: `build_layout` given it reads nothing (one sync per step, not several per request)."""
@@ -366,8 +360,7 @@ def _max_depths(drafts: list[Draft | None], node_idx: list[torch.Tensor]) -> lis
     depths: list[int | None] = [None] * len(drafts)
     if not live:
         return depths
-    deepest = torch.stack([gather_nodes(drafts[b].tree.depth, node_idx[b], 0).max() if node_idx[b].numel()
-                           else node_idx[b].new_zeros(()) for b in live]).tolist()
+    deepest = torch.stack([deepest_selected(drafts[b].tree, node_idx[b]) for b in live]).tolist()
     for b, depth in zip(live, deepest):
         depths[b] = depth
     return depths

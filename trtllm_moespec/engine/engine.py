@@ -23,7 +23,7 @@ from ..core.logit_rules import TokenHistory
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
-from ..core.tree import DraftTree, gather_nodes, limit_depth
+from ..core.tree import DraftTree, deepest_selected, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..detokenize import StopCut
@@ -179,10 +179,8 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         draft = drafter.draft(context, device)
-        remaining = request.max_tokens - len(request.output_ids)
-        # Deeper nodes could never be emitted. A node's depth is at most the node count, so a tree of
-        # no more nodes than the remaining budget needs no trimming (and no host read of its depths).
-        tree = limit_depth(draft.tree, remaining - 1) if draft.tree.num_nodes > remaining - 1 else draft.tree
+        # deeper nodes could never be emitted
+        tree = limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1)
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -273,8 +271,7 @@ class SpecEngine:
         (two ints in one transfer). The count picks the verify length: the selection is cut (or
         -1 padded) to the target's bucket for it, as EVICT pads to a captured length, instead of
         verifying the policy's whole budget; the depth lets the layout skip its own reads."""
-        count, depth = torch.stack([(node_idx >= 0).sum(1).max(), gather_nodes(tree.depth, node_idx, 0).max()
-                                    if node_idx.numel() else node_idx.new_zeros(())]).tolist()
+        count, depth = torch.stack([(node_idx >= 0).sum(1).max(), deepest_selected(tree, node_idx)]).tolist()
         K = self.target.verify_length(count + 1) - 1
         if K <= node_idx.shape[1]:
             return node_idx[:, :K], depth  # -1 pads come last: the selection is ordered

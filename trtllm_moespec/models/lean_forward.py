@@ -245,10 +245,8 @@ class _HostIndexedIO:
         sl, idx = self._indices(T, k.device)  # [B, T] each
         kc[sl, :, idx] = k.transpose(1, 2)  # advanced indices on dims 0 and 2: value is [B, T, Hkv, D]
         vc[sl, :, idx] = v.transpose(1, 2)
-        first = self.slots[0]
-        if self.slots == tuple(range(first, first + B)):  # consecutive slots (the usual batch): views, no copy
-            return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
-        return kc[sl[:, 0], :, start:end], vc[sl[:, 0], :, start:end]
+        views = _block_views(kc, vc, self.slots, start, end)  # the usual batch: consecutive slots
+        return views if views is not None else (kc[sl[:, 0], :, start:end], vc[sl[:, 0], :, start:end])
 
 
 class _TensorIndexedIO:
@@ -263,11 +261,20 @@ class _TensorIndexedIO:
         for b, s in enumerate(self.slots):
             kc[s].index_copy_(1, self.write_idx[b], k[b])
             vc[s].index_copy_(1, self.write_idx[b], v[b])
-        first, B = self.slots[0], len(self.slots)
-        if self.slots == tuple(range(first, first + B)):  # one request, or consecutive slots: views, no copy
-            return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
+        views = _block_views(kc, vc, self.slots, start, end)  # one request, or the usual batch
+        if views is not None:
+            return views
         return (torch.stack([kc[s, :, start:end] for s in self.slots]),
                 torch.stack([vc[s, :, start:end] for s in self.slots]))
+
+
+def _block_views(kc: torch.Tensor, vc: torch.Tensor, slots: tuple[int, ...], start: int, end: int):
+    """The slots' K/V at cache positions [start, end) as views, no copy, when the slots are one block
+    of the cache [slots, Hkv, max_len, D]; None otherwise (the caller gathers them)."""
+    first, B = slots[0], len(slots)
+    if slots != tuple(range(first, first + B)):
+        return None
+    return kc[first:first + B, :, start:end], vc[first:first + B, :, start:end]
 
 
 def _fuse_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -31,6 +31,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..core.device import token_tensor
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 PREDICTOR_TYPE = "draft_head"
@@ -225,7 +227,7 @@ class DraftHeadPredictor:
                              f"match node_hidden {tuple(node_hidden.shape)}")
         dev = self.device
         hidden = torch.cat([node_hidden.to(dev, torch.float32), root_hidden.to(dev, torch.float32)[None]])
-        ids = torch.cat([node_ids.to(dev), torch.full((1,), int(root_id), dtype=node_ids.dtype, device=dev)])
+        ids = torch.cat([node_ids.to(dev, torch.int64), token_tensor(int(root_id), dev)])
         depth = torch.cat([node_depth.to(dev).clamp(min=1), torch.zeros(1, dtype=torch.int64, device=dev)])
         topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables, root_last=True))
         return topk[:-1], topk[-1]
