@@ -63,6 +63,12 @@ class MoESpecTreeSelectPlugin(PluginBase):
         return tuple(SymTensor(d, s) for d, s in zip(dtypes, shapes))
 
     def forward(self, inputs: Sequence[TensorWrapper], outputs: Sequence[TensorWrapper]):
+        # Known limit: PluginBase.enqueue runs this under torch.cuda.stream(ExternalStream(TensorRT's
+        # stream)), hands TensorRT's workspace over as `self.workspace`, and asks for none (no
+        # get_workspace_size: the IPluginV3OneBuild default, 0) -- read in tensorrt_llm/python_plugin.py
+        # @ 18b5fac4f805b04f15efff9962db4a0f0453e4aa. The temporaries below come from torch's caching
+        # allocator on that stream, which an engine captured into a CUDA graph cannot hold; the native
+        # plugin (plugins/trt) takes its scratch from the workspace.
         scores, parents, valid, depth, bits, root, table = (convert_to_torch_tensor(t) for t in inputs)
         node_idx, count, expected, cost = (convert_to_torch_tensor(t) for t in outputs)
         a = self.attrs
