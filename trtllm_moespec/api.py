@@ -302,7 +302,8 @@ class LLM:
                                   ddd_threshold if ddd_threshold is not None else (0.3 if policy == "ddd" else None),
                                   stop_rule)
             if self.cuda_graphs:  # a step commits at most steps + 1 tokens (the accepted path and the bonus)
-                from .models.cuda_graphs import make_drafter_runner, make_frontier_runner, verify_buckets
+                from .models.cuda_graphs import verify_buckets
+                from .models.eagle3.graphs import make_drafter_runner, make_frontier_runner
 
                 source.extend_runner = make_drafter_runner("graphs", eagle3, verify_buckets(tree.steps))
                 source.frontier_runner = make_frontier_runner("graphs", eagle3, tree.topk)  # frontier <= topk

@@ -159,8 +159,8 @@ def test_frontier_graph_drafts_the_eager_tree():
     """`DrafterFrontierGraphs`: one graph captured for the topk-wide frontier, replayed for every
     drafting step, drafts the tree `Eagle3Drafter.forward` drafts; a second request reuses the first
     one's buffer (`DrafterKVPool`) and so its graph; two live requests get a graph each."""
-    from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs
-    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.graphs import DrafterFrontierGraphs
 
     llm = LLM("moespec-tiny", policy="eagle3", device="cuda", cuda_graphs=False)
     source = llm.engine.draft_source

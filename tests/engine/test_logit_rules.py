@@ -194,7 +194,7 @@ def test_the_drafter_proposes_under_the_same_rules(tiny, monkeypatch):
     """A token the logit bias bans is never drafted with nonzero probability (it was, without the
     rules applied to the drafter), the output is the same either way, and acceptance does not fall."""
     import trtllm_moespec.engine.engine as engine_module
-    from trtllm_moespec.models import eagle3_draft
+    from trtllm_moespec.models.eagle3 import drafting as eagle3_draft
 
     llm = tiny["eagle3"]
     ids = llm.encode([PROMPT])[0]

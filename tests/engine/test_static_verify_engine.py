@@ -74,7 +74,7 @@ def test_static_drafter_forwards_keep_greedy_output(checkpoints, arch, policy):
     """The drafter's per-step extension and its tree-drafting forwards through the static-shape
     drafter forward (what `DrafterGraphs` / `DrafterFrontierGraphs` capture), together with the
     static verify: greedy output unchanged."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend, StaticDrafterFrontier
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterExtend, StaticDrafterFrontier
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
@@ -104,7 +104,7 @@ def test_sync_free_drafting_keeps_greedy_output(checkpoints, arch):
     every drafting forward takes the whole padded frontier (no read of how many entries are real),
     through the static frontier runner and through the eager forward, one request at a time and
     batched: greedy output and acceptance lengths unchanged."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterFrontier
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
@@ -131,7 +131,7 @@ def test_drafter_graph_runners_replay_across_requests(checkpoints, arch):
     output unchanged; the requests, served one after another, reuse one drafter buffer, so the
     tree-drafting graph is captured once for all of them and each extension bucket at most once."""
     from tests.models.graph_stand_in import RecomputeCapture
-    from trtllm_moespec.models.cuda_graphs import DrafterFrontierGraphs, DrafterGraphs, DrafterGraphStore
+    from trtllm_moespec.models.eagle3.graphs import DrafterFrontierGraphs, DrafterGraphs, DrafterGraphStore
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = [o.token_ids for o in _llm(checkpoints, arch, "ar").generate(PROMPTS, params, max_batch_size=1)]
@@ -152,7 +152,8 @@ def test_failed_drafter_graph_capture_falls_back_to_eager(checkpoints):
     """A drafter graph that cannot be captured (here: a runner raising GraphCaptureError, as
     capture does on a kernel it cannot record) warns, is dropped, and the step drafts and extends
     eagerly: greedy output unchanged."""
-    from trtllm_moespec.models.cuda_graphs import GraphCaptureError, StaticDrafterExtend, StaticDrafterFrontier
+    from trtllm_moespec.models.cuda_graphs import GraphCaptureError
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterExtend, StaticDrafterFrontier
 
     class Failing:
         def __init__(self, runner):

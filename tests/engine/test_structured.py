@@ -95,7 +95,7 @@ def test_drafting_proposes_only_what_the_grammar_allows_and_is_accepted_more(tin
     grammar allows after its path, and the drafter's constrained trees are accepted more than unconstrained ones
     (same output either way: drafting never changes it)."""
     import trtllm_moespec.engine.engine as engine_module
-    from trtllm_moespec.models import eagle3_draft
+    from trtllm_moespec.models.eagle3 import drafting as eagle3_draft
 
     llm, output = tiny["eagle3"], CONSTRAINTS["json_schema"]
     ids = llm.encode([PROMPT])[0]

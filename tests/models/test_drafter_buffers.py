@@ -1,5 +1,5 @@
-"""Drafter K/V buffers reused across requests (`eagle3.DrafterKVPool`) and the drafter's CUDA graphs
-kept per buffer (`cuda_graphs.DrafterGraphStore`): a reused buffer drafts exactly what a fresh one
+"""Drafter K/V buffers reused across requests (`eagle3.cache.DrafterKVPool`) and the drafter's CUDA graphs
+kept per buffer (`eagle3.graphs.DrafterGraphStore`): a reused buffer drafts exactly what a fresh one
 does, a finished request's buffer goes to the next request, and graphs are captured once per buffer.
 The graph store's bookkeeping runs here with a stand-in for CUDA capture (`graph_stand_in.py`: this machine has no GPU;
 `tests/engine/test_cuda_engine.py` checks real capture and replay)."""
@@ -10,9 +10,9 @@ import gc
 
 import torch
 
-from trtllm_moespec.models.cuda_graphs import DrafterGraphStore, DrafterGraphs, StaticDrafterExtend, StaticDrafterFrontier
-from trtllm_moespec.models.eagle3 import DrafterKVPool, Eagle3Cache
-from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+from trtllm_moespec.models.eagle3.cache import DrafterKVPool, Eagle3Cache
+from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree
+from trtllm_moespec.models.eagle3.graphs import DrafterGraphStore, DrafterGraphs, StaticDrafterExtend, StaticDrafterFrontier
 
 from .graph_stand_in import RecomputeCapture
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trtllm_moespec.models.eagle3 import PackedSegment, load_eagle3, write_random_drafter
-from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree, draft_eagle3_trees
+from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree, draft_eagle3_trees
 
 from .conftest import count_calls, qwen3_moe_config
 

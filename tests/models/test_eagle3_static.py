@@ -1,11 +1,11 @@
-"""The static-shape drafter forward (models/eagle3_static.py: what a CUDA graph of a drafter
+"""The static-shape drafter forward (models/eagle3/static.py: what a CUDA graph of a drafter
 forward captures) equals `Eagle3Drafter.forward` for extensions padded to a bucket and for
 tree-drafting steps with the frontier padded to its full width."""
 
 import pytest
 import torch
 
-from trtllm_moespec.models.eagle3_static import extension_inputs, frontier_visibility, static_drafter_forward
+from trtllm_moespec.models.eagle3.static import extension_inputs, frontier_visibility, static_drafter_forward
 
 ATOL = 2e-5
 
@@ -78,7 +78,7 @@ def test_frontier_visibility_rejects_masks_that_do_not_fit():
 def test_static_extend_runner_equals_drafter_extend(drafter, n):
     """`StaticDrafterExtend.run` (what DrafterGraphs captures) leaves the drafter buffer and the
     last-position outputs as `Eagle3Drafter.extend` does."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterExtend
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterExtend
 
     cache, gen = _prefilled(drafter, 6, seed=n)
     S = cache.num_tokens
@@ -107,8 +107,8 @@ def test_static_frontier_runner_drafts_the_default_tree(drafter, S, steps, topk,
     """`draft_eagle3_tree` with the static frontier runner (what `DrafterFrontierGraphs` captures),
     the frontier padded to `width` rows, drafts the tree the default path drafts: same tokens and
     parents, same scores and node features up to float rounding; the committed cache is untouched."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
-    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterFrontier
 
     cache, _ = _prefilled(drafter, S, seed=S * 7 + steps)
     committed = cache.kv[..., :S, :].clone()
@@ -127,8 +127,8 @@ def test_static_frontier_runner_drafts_the_default_tree(drafter, S, steps, topk,
 
 def test_static_frontier_runner_keeps_ddd_and_the_stop_hook(drafter):
     """DDD's rule and `should_expand` stop drafting at the same step with the runner as without."""
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
-    from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterFrontier
 
     cache, _ = _prefilled(drafter, 8, seed=5)
     runner = StaticDrafterFrontier(drafter, 3)
@@ -143,7 +143,7 @@ def test_static_frontier_runner_keeps_ddd_and_the_stop_hook(drafter):
 
 
 def test_static_frontier_runner_rejects_inputs_that_do_not_fit(drafter):
-    from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier, make_frontier_runner
+    from trtllm_moespec.models.eagle3.graphs import StaticDrafterFrontier, make_frontier_runner
 
     cache, _ = _prefilled(drafter, 6, seed=1)
     H = drafter.config.hidden_size

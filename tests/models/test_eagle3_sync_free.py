@@ -6,8 +6,8 @@ scores above 0, the same valid nodes (by token path) when some score exactly 0."
 import pytest
 import torch
 
-from trtllm_moespec.models.cuda_graphs import StaticDrafterFrontier
-from trtllm_moespec.models.eagle3_draft import draft_eagle3_tree
+from trtllm_moespec.models.eagle3.drafting import draft_eagle3_tree
+from trtllm_moespec.models.eagle3.graphs import StaticDrafterFrontier
 
 from .test_eagle3_static import _prefilled
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trtllm_moespec.models import cuda_graphs
+from trtllm_moespec.models.eagle3.graphs import DrafterGraphStore
 
 
 class FakeStream(str):
@@ -122,7 +123,7 @@ def test_a_capture_failure_becomes_a_graph_capture_error_for_the_runners(monkeyp
     class Drafter:
         _rope_signed_table, _fused = None, None
 
-    store = cuda_graphs.DrafterGraphStore(Drafter(), ("pool", 2))
+    store = DrafterGraphStore(Drafter(), ("pool", 2))
     kv = torch.zeros(2, 1, 1, 4, 2)
     with pytest.raises(cuda_graphs.GraphCaptureError):
         store.replay(kv, "frontier", lambda: torch.zeros(1))

@@ -14,7 +14,7 @@ import torch
 from ..core.tree import DraftTree
 from ..core.verify import VerifyResult
 from ..models.cuda_graphs import GraphCaptureError, warn_fallback
-from ..models.eagle3_draft import draft_eagle3_tree, draft_eagle3_trees
+from ..models.eagle3.drafting import draft_eagle3_tree, draft_eagle3_trees
 from ..models.target import TargetOutput
 
 if TYPE_CHECKING:

@@ -3,8 +3,7 @@ drafter, the weightless n-gram drafter, and the architecture table they share.
 (transformers is imported lazily, inside the functions that need it.)"""
 
 from .arch import ARCHITECTURES, ArchSpec, arch_spec, default_capture_layers
-from .eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, Eagle3Output, load_eagle3, write_random_drafter
-from .eagle3_draft import Eagle3Draft
+from .eagle3 import Eagle3Cache, Eagle3Config, Eagle3Draft, Eagle3Drafter, Eagle3Output, load_eagle3, write_random_drafter
 from .ngram import NgramConfig, NgramDrafter
 from .target import TargetCache, TargetModel, TargetOutput
 

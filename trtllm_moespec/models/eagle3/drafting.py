@@ -12,7 +12,7 @@ drafter cache, so drafting never changes the cache: it always holds exactly the
 committed tokens.
 
 With a `frontier_runner` each step's forward runs through the static-shape drafter forward
-(`models/cuda_graphs.py` `StaticDrafterFrontier`; on CUDA one captured graph, `DrafterFrontierGraphs`):
+(`graphs.py` `StaticDrafterFrontier`; on CUDA one captured graph, `DrafterFrontierGraphs`):
 the frontier padded to the runner's width, attending over the whole drafter buffer. Without one
 (the default, and the CPU engine's path) it is `Eagle3Drafter.forward` over exactly F rows.
 
@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from ..core.policies import ddd_should_stop
-from ..core.tree import DraftTree, TreeBuffer
-from .eagle3 import PackedSegment
+from ...core.policies import ddd_should_stop
+from ...core.tree import DraftTree, TreeBuffer
+from .types import PackedSegment
 
 if TYPE_CHECKING:
-    from .cuda_graphs import StaticDrafterFrontier
-    from .eagle3 import Eagle3Cache, Eagle3Drafter
+    from .cache import Eagle3Cache
+    from .graphs import StaticDrafterFrontier
+    from .modeling import Eagle3Drafter
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def draft_eagle3_tree(
 
     Before each later step, drafting stops when DDD's rule fires (`ddd_threshold`) or when
     `should_expand(tree, frontier)` returns False: the per-step "expand further?" decision a
-    stop rule plugs in here. `frontier_runner` (`models.cuda_graphs.StaticDrafterFrontier`, or its
+    stop rule plugs in here. `frontier_runner` (`graphs.StaticDrafterFrontier`, or its
     CUDA graph `DrafterFrontierGraphs`) runs each step's forward with static shapes instead of
     `Eagle3Drafter.forward`; the tree and everything around the forward stay the same. With a
     `constraint` every node's children are drawn from the tokens it allows after the node's path.

@@ -11,8 +11,8 @@ next forward overwrites, exactly as the padded rows of the target's verify bucke
 
 NOT YET RUN ON A GPU. On CPU the same function runs eagerly and is tested against
 `Eagle3Drafter.forward` (tests/models/test_eagle3_static.py); its CUDA captures are
-`models/cuda_graphs.py` `DrafterGraphs` (extensions, wired in `engine/drafters.py`) and
-`DrafterFrontierGraphs` (tree-drafting steps, wired through `eagle3_draft.draft_eagle3_tree`'s
+`graphs.py` `DrafterGraphs` (extensions, wired in `engine/drafters.py`) and
+`DrafterFrontierGraphs` (tree-drafting steps, wired through `drafting.draft_eagle3_tree`'s
 `frontier_runner`), both on with `LLM(cuda_graphs=...)`.
 """
 
@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .eagle3 import Eagle3Drafter, Eagle3Output, _rms
+from .layers import _rms
+from .modeling import Eagle3Drafter
+from .types import Eagle3Output
 
 
 @torch.no_grad()
