@@ -7,15 +7,14 @@ from trtllm_moespec.backends.trtllm.buffers import (
     DynamicTreeHistory,
     chain_prefix_length,
     chain_tree,
-    default_resampling,
     draft_tree_from_history,
     history_parent_index,
     history_size,
-    pad_to_verify_length,
     parent_buffer_size,
     selected_parent_positions,
-    selection_to_trtllm,
+    top_n_resampling,
 )
+from trtllm_moespec.backends.trtllm.padding import pad_with_copies
 from trtllm_moespec.core.tree import draft_root, grow_tree, score_order
 
 
@@ -86,27 +85,21 @@ def test_parent_rule_on_a_hand_built_k2_d3_history():
     assert got.tolist() == [[-1, -1, 0, 0, 1, 1, 5, 5, 2, 2]]
 
 
-def test_default_resampling_is_top_n_sorted_and_parent_closed():
+def test_top_n_resampling_is_sorted_and_parent_closed():
     history = fill_history(*random_draft(3, 8, 4, seed=7))
-    out = default_resampling(history, 32)
-    assert out.topk_score_indices.shape == (3, 32) and out.draft_tokens.dtype == torch.int32
-    assert (out.topk_score_indices.diff(dim=1) > 0).all()
-    selected_parent_positions(history, out.topk_score_indices)  # raises if not parent-closed
+    tokens, indices = top_n_resampling(history, 32)
+    assert indices.shape == (3, 32) and tokens.dtype == history.draft_tokens.dtype
+    assert (indices.diff(dim=1) > 0).all()
+    selected_parent_positions(history, indices)  # raises if not parent-closed
 
 
-def test_selection_padding_keeps_policy_nodes_and_fills_by_score():
+def test_a_full_score_prefix_needs_no_padding_and_equals_trtllm_top_n():
     history = fill_history(*random_draft(2, 4, 3, seed=3))
     tree = draft_tree_from_history(history)
-    order = score_order(tree)
-    # A policy that keeps 3 nodes of request 0 and 5 of request 1 (score prefixes are parent-closed).
-    node_idx = torch.full((2, 8), -1, dtype=torch.int64)
-    node_idx[0, :3], node_idx[1, :5] = order[0, :3], order[1, :5]
-    out = selection_to_trtllm(history, tree, node_idx, verify_length=8)
-    assert out.num_selected.tolist() == [3, 5]
-    assert out.topk_score_indices.shape == (2, 8)
-    # With score-prefix selections the padded result equals TRT-LLM's own top-8.
-    assert torch.equal(out.topk_score_indices, default_resampling(history, 8).topk_score_indices)
-    assert torch.equal(out.draft_tokens, history.draft_tokens.gather(1, out.topk_score_indices).int())
+    out = pad_with_copies(history, tree, score_order(tree)[:, :8], 8)
+    assert out.num_selected.tolist() == [8, 8] and not out.is_copy.any() and out.num_extended.tolist() == [0, 0]
+    tokens, indices = top_n_resampling(history, 8)
+    assert torch.equal(out.topk_score_indices, indices) and torch.equal(out.draft_tokens, tokens)
 
 
 def test_padding_of_a_non_prefix_selection_is_parent_closed():
@@ -115,21 +108,15 @@ def test_padding_of_a_non_prefix_selection_is_parent_closed():
     # Pick a low-score leaf's path: root child 3 and one of its children (history 4 + f*4 + c).
     deep_parent = history_parent_index(history.parents, 4, tree.num_nodes)
     child = int((deep_parent[0] == 3).nonzero()[0])
-    node_idx = torch.tensor([[3, child, -1, -1]])
-    padded = pad_to_verify_length(tree, node_idx, 6)
-    assert {3, child} <= set(padded[0].tolist()) and len(set(padded[0].tolist())) == 6
-    out = selection_to_trtllm(history, tree, node_idx, 6)
-    pos = selected_parent_positions(history, out.topk_score_indices)
+    out = pad_with_copies(history, tree, torch.tensor([[3, child, -1, -1]]), 6)
+    assert {3, child} <= set(out.topk_score_indices[0].tolist()) and len(set(out.topk_score_indices[0].tolist())) == 6
+    padded = DynamicTreeHistory(history.draft_tokens, history.scores, out.parents, 4, 3)
+    pos = selected_parent_positions(padded, out.topk_score_indices)
     assert (pos < torch.arange(6)).all()  # parents precede children in the ascending layout
 
 
 def test_bad_inputs_raise():
     history = fill_history(*random_draft(1, 2, 3, seed=1))
-    tree = draft_tree_from_history(history)
-    with pytest.raises(ValueError, match="exceeds the captured verify length"):
-        pad_to_verify_length(tree, torch.arange(5)[None], 4)
-    with pytest.raises(ValueError, match="fewer than verify length"):
-        pad_to_verify_length(tree, torch.tensor([[-1]]), 11)
     with pytest.raises(ValueError, match="unselected parent"):
         selected_parent_positions(history, torch.tensor([[0, 6]]))  # 6's parent is a step-1 node
     wrong = DynamicTreeHistory(history.draft_tokens[:, :5], history.scores, history.parents, 2, 3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.backends.test_buffers import fill_history, random_draft
-from trtllm_moespec.backends.trtllm.buffers import default_resampling, selected_parent_positions
+from trtllm_moespec.backends.trtllm.buffers import DynamicTreeHistory, selected_parent_positions, top_n_resampling
 from trtllm_moespec.backends.trtllm.version import (UnsupportedTensorRTLLMVersion, check_effective_draft_tokens,
                                                     check_engine_mode, supported_mode)
 from trtllm_moespec.backends.trtllm.worker import (
@@ -103,8 +103,8 @@ def _fake_trtllm(monkeypatch, version=TREE_VERSION, history=None, verify_length=
             self.history_draft_tokens_parent_buffer = history.parents
 
         def resampling_final_draft_tokens(self, batch_size):
-            out = default_resampling(history, self.max_total_draft_tokens)
-            return out.draft_tokens[:batch_size], out.topk_score_indices[:batch_size]
+            tokens, indices = top_n_resampling(history, self.max_total_draft_tokens)
+            return tokens[:batch_size], indices[:batch_size]
 
     class LinearWorker:
         def __init__(self, spec_config, mapping):
@@ -199,12 +199,19 @@ def test_top_k_1_keeps_the_linear_worker_like_main(monkeypatch):
     assert type(factory(_SpecConfig(dynamic=True, topk=1), None, None)).__name__ == "LinearWorker"
 
 
+def _check_parent_closed(history, padded):
+    """The padded selection with the parent buffer the worker hands to build_dynamic_tree."""
+    with_parents = DynamicTreeHistory(history.draft_tokens, history.scores, padded.parents, history.topk,
+                                      history.max_draft_len)
+    selected_parent_positions(with_parents, padded.topk_score_indices)
+
+
 def test_coverage_selection_is_padded_and_parent_closed():
     history = fill_history(*random_draft(3, 8, 4, seed=9))
     select = make_selector(WorkerSettings(policy="coverage", policy_options={"rho": 0.3}), 32)
-    tokens, indices = moespec_resampling(history, select, 32, checks=True)
-    assert tokens.shape == (3, 32) and (indices.diff(dim=1) > 0).all()
-    selected_parent_positions(history, indices)
+    out = moespec_resampling(history, select, 32, checks=True)
+    assert out.draft_tokens.shape == (3, 32) and (out.topk_score_indices.diff(dim=1) > 0).all()
+    _check_parent_closed(history, out)
 
 
 def test_evict_through_the_select_tree_op_matches_the_core_policy(tmp_path):
@@ -223,5 +230,4 @@ def test_evict_through_the_select_tree_op_matches_the_core_policy(tmp_path):
     assert 0 < int(want.num_selected.min()) and int(want.num_selected.max()) < 32  # the utility peak is interior
     for b in range(4):
         assert set(got[b][got[b] >= 0].tolist()) == set(want.node_idx[b][want.node_idx[b] >= 0].tolist())
-    tokens, indices = moespec_resampling(history, select, 32, checks=True)
-    selected_parent_positions(history, indices)
+    _check_parent_closed(history, moespec_resampling(history, select, 32, checks=True))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.backends.test_buffers import fill_history, random_draft
-from trtllm_moespec.backends.trtllm.buffers import (device_score_order, draft_tree_from_history,
+from trtllm_moespec.backends.trtllm.buffers import (DynamicTreeHistory, device_score_order, draft_tree_from_history,
                                                     selected_parent_positions)
 from trtllm_moespec.backends.trtllm.selection import HistoryExpertPredictor, WorkerSettings, make_selector
 from trtllm_moespec.backends.trtllm.worker import ExpertInputs, make_worker_class, moespec_resampling
@@ -149,9 +149,11 @@ def test_worker_selection_never_syncs_with_the_host(policy, predictor_dir, cost_
     predictor = HistoryExpertPredictor(predictor_dir, EXPERTS, "cpu")
     experts = ExpertInputs(slot_hidden, root_ids, embed)
     with host_sync_traps():
-        tokens, indices = moespec_resampling(history, select, N, predictor=predictor, experts=experts)
-    assert tokens.shape == (B, N) and tokens.dtype == torch.int32 and (indices.diff(dim=1) > 0).all()
-    selected_parent_positions(history, indices)  # parent-closed, as TensorRT-LLM's tree builder needs
+        out = moespec_resampling(history, select, N, predictor=predictor, experts=experts)
+    tokens, indices = out.draft_tokens, out.topk_score_indices
+    assert tokens.shape == (B, N) and tokens.dtype == history.draft_tokens.dtype and (indices.diff(dim=1) > 0).all()
+    with_parents = DynamicTreeHistory(history.draft_tokens, history.scores, out.parents, K, D)
+    selected_parent_positions(with_parents, indices)  # parent-closed, as TensorRT-LLM's tree builder needs
 
 
 def test_coverage_is_the_eager_policy(cost_profile):
@@ -240,4 +242,5 @@ def test_worker_records_hidden_per_slot_during_the_draft_loop(predictor_dir, cos
     want = moespec_resampling(history, make_selector(worker.moespec_settings, N), N,
                               predictor=HistoryExpertPredictor(predictor_dir, EXPERTS, "cpu"),
                               experts=ExpertInputs(slot_hidden, root_ids, embed))
-    assert torch.equal(indices, want[1]) and torch.equal(tokens, want[0])
+    assert torch.equal(indices, want.topk_score_indices) and torch.equal(tokens, want.draft_tokens)
+    assert torch.equal(worker.history_draft_tokens_parent_buffer, want.parents)

@@ -6,8 +6,9 @@ Source read: NVIDIA/TensorRT-LLM `tensorrt_llm/_torch/speculative/eagle3_dynamic
 and `dynamic_tree_ops.py` @ 16f026718eaba46002916d68bc00d12f80acf6e9 (`build_dynamic_tree`).
 With K = dynamic_tree_max_topK and D = max_draft_len the worker keeps, per request:
 
-- history_draft_tokens_buffer [B, K + K*K*(D-1)] int32 and history_score_buffer
-  (same shape, float32): draft step 0 writes the root's top-K tokens and their
+- history_draft_tokens_buffer [B, K + K*K*(D-1)] (int32 @ 057c8a65, int64 in the
+  earlier worker of eagle3_dynamic_tree.py @ 470bb72055d5d397c60be4dda1e8f490e7002440)
+  and history_score_buffer (same shape, float32): draft step 0 writes the root's top-K tokens and their
   softmax probabilities at [0, K); step l >= 1 writes all K*K children of the
   step's K frontier nodes at [K + (l-1)*K*K, K + l*K*K), child c of frontier slot f
   at offset f*K + c, with score = parent score * child probability. Scores are
@@ -17,11 +18,12 @@ With K = dynamic_tree_max_topK and D = max_draft_len the worker keeps, per reque
   hold the history indices of the frontier chosen at step l. Hence the parent of
   history node h is -1 for h < K and parent_buffer[h // K] otherwise (the same rule
   the tree-building kernel applies).
-- resampling_final_draft_tokens(batch_size) returns (real_draft_tokens [B, N] int32,
-  topk_score_indices [B, N] int64) with N = max_total_draft_tokens: the history
-  indices of the top-N scores sorted ascending, and their tokens. build_dynamic_tree
-  then derives mask, positions and retrieve indices from those indices and the
-  parent buffer; it needs N distinct, parent-closed indices.
+- resampling_final_draft_tokens(batch_size) returns `_resample_final_tokens(scores,
+  tokens, N)`: (real_draft_tokens [B, N], topk_score_indices [B, N] int64) with N =
+  max_total_draft_tokens, the history indices of the top-N scores sorted ascending and
+  their tokens. build_dynamic_tree then derives mask, positions and retrieve indices
+  from those indices and the parent buffer; it needs N distinct, parent-closed indices
+  (padding.py fills what our policy leaves free).
 
 A history index is used directly as our node index: parents precede children.
 """
@@ -49,7 +51,7 @@ def parent_buffer_size(topk: int, max_draft_len: int) -> int:
 class DynamicTreeHistory:
     """The dynamic-tree worker's history buffers for a batch (views, not copies)."""
 
-    draft_tokens: torch.Tensor  # [B, K + K*K*(D-1)] int32 history_draft_tokens_buffer
+    draft_tokens: torch.Tensor  # [B, K + K*K*(D-1)] int32/int64 history_draft_tokens_buffer
     scores: torch.Tensor  # [B, K + K*K*(D-1)] float32 history_score_buffer (path probabilities)
     parents: torch.Tensor  # [B, max(K*(D-1)+1, K+1)] int64 history_draft_tokens_parent_buffer
     topk: int  # dynamic_tree_max_topK
@@ -114,15 +116,6 @@ def draft_tree_from_history(history: DynamicTreeHistory, checks: bool = True) ->
     return tree
 
 
-@dataclass(frozen=True)
-class TrtllmDraftSelection:
-    """What `resampling_final_draft_tokens` returns, plus how much of it our policy chose."""
-
-    draft_tokens: torch.Tensor  # [B, N] int32 tokens at topk_score_indices (real_draft_tokens)
-    topk_score_indices: torch.Tensor  # [B, N] int64 history indices, ascending, distinct, parent-closed
-    num_selected: torch.Tensor  # [B] int64 nodes chosen by the policy; the other N - k are padding
-
-
 def device_score_order(tree: DraftTree) -> torch.Tensor:
     """[B, N] node idx by (valid first, score desc, depth asc, index asc), on the tree's device.
 
@@ -139,49 +132,15 @@ def device_score_order(tree: DraftTree) -> torch.Tensor:
     return order
 
 
-def pad_to_verify_length(tree: DraftTree, node_idx: torch.Tensor, verify_length: int, checks: bool = True) -> torch.Tensor:
-    """[B, N] int64: the selected nodes, then the best unselected nodes by score, N = verify_length.
+def top_n_resampling(history: DynamicTreeHistory, verify_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TensorRT-LLM's own pruning, `_resample_final_tokens`: (tokens [B, N], history indices [B, N]).
 
-    node_idx: [B, K] parent-closed selection (-1 pad). A CUDA graph captured for N
-    draft tokens verifies exactly N; the slots the policy left free are filled in
-    score order, which keeps the set parent-closed (a parent never scores below its
-    child and ties go to the shallower node). Raises ValueError when the selection
-    exceeds N or the tree has fewer than N real nodes (checks=False: no host sync).
+    The top-N history scores, their indices sorted ascending, and the tokens gathered there
+    (in the history buffer's dtype). tests/backends/fixtures/ holds the upstream text this
+    is checked against.
     """
-    B, M = tree.token_ids.shape
-    chosen = node_idx >= 0
-    if checks:
-        num_chosen = chosen.sum(1)
-        if (num_chosen > verify_length).any():
-            raise ValueError(f"selection of {int(num_chosen.max())} nodes exceeds the captured verify length {verify_length}")
-        if (tree.num_valid < verify_length).any():
-            raise ValueError(f"the draft tree has {int(tree.num_valid.min())} real nodes, fewer than verify length {verify_length}")
-    selected = torch.zeros(B, M + 1, dtype=torch.bool, device=node_idx.device)
-    selected.scatter_(1, torch.where(chosen, node_idx, M), True)
-    selected = selected[:, :M]
-    order = device_score_order(tree)  # [B, M]
-    unselected_first = (~selected).gather(1, order).to(torch.int8)
-    order = order.gather(1, unselected_first.argsort(dim=1, stable=True))
-    return order[:, :verify_length]
-
-
-def selection_to_trtllm(
-    history: DynamicTreeHistory, tree: DraftTree, node_idx: torch.Tensor, verify_length: int, checks: bool = True
-) -> TrtllmDraftSelection:
-    """Our selection as TensorRT-LLM's (real_draft_tokens, topk_score_indices), padded to N."""
-    padded = pad_to_verify_length(tree, node_idx, verify_length, checks)
-    indices = padded.sort(1).values
-    tokens = history.draft_tokens.gather(1, indices.to(history.draft_tokens.device)).to(torch.int32)
-    return TrtllmDraftSelection(tokens, indices.long(), (node_idx >= 0).sum(1))
-
-
-def default_resampling(history: DynamicTreeHistory, verify_length: int) -> TrtllmDraftSelection:
-    """Reference for TensorRT-LLM's own pruning: the top-N history scores, indices ascending."""
-    history.validate()
-    indices = history.scores.topk(verify_length, dim=1).indices.sort(1).values
-    tokens = history.draft_tokens.gather(1, indices).to(torch.int32)
-    n = torch.full((history.scores.shape[0],), verify_length, dtype=torch.int64)
-    return TrtllmDraftSelection(tokens, indices.long(), n)
+    indices = history.scores.topk(verify_length, dim=-1).indices.sort().values
+    return history.draft_tokens.gather(1, indices), indices
 
 
 def selected_parent_positions(history: DynamicTreeHistory, indices: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,9 @@ def speculative_config(
         "max_draft_len": profile.max_draft_len,
         "max_total_draft_tokens": profile.verify_length,
         "eagle3_layers_to_capture": preset.trtllm_layers_to_capture,
+        # Exact-match verification for sampled requests (the default in llm_args.py @ 00043967): the MoESpec
+        # worker's copies (padding.py) are never accepted there, but would be by the rejection kernel.
+        "use_rejection_sampling": False,
     }
     if mode == "tree":
         spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=tree.topk)

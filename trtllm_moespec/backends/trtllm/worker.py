@@ -6,7 +6,9 @@ prunes it once, in `resampling_final_draft_tokens(batch_size)`, to the top-N nod
 score (N = max_total_draft_tokens, the verify length its CUDA graphs were captured
 for). `MoESpecDynamicTreeWorker` overrides exactly that method: the history buffers
 become our DraftTree (buffers.py), a selector chosen at init (selection.py) picks the
-nodes on the device, and the choice is padded to N with the next-best nodes.
+nodes on the device, and the choice is padded to N with copies of selected nodes that
+wake no new experts and are never accepted (padding.py), which also re-points unused
+entries of the parent buffer that build_dynamic_tree reads next.
 
 For ecospec and joint the worker also records, during TensorRT-LLM's own drafting
 loop, the drafter's pre-norm hidden state per parent-buffer slot
@@ -35,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from .buffers import DynamicTreeHistory, draft_tree_from_history, selection_to_trtllm
+from .buffers import DynamicTreeHistory, draft_tree_from_history
+from .padding import PaddedVerify, pad_with_copies
 from .schema import DYNAMIC_TREE_MODULE
 from .selection import (EXPERT_POLICIES, HistoryExpertPredictor, Selector, WorkerSettings, check_worker_policy,
                         make_selector)
@@ -63,11 +66,13 @@ class ExpertInputs:
 
 def moespec_resampling(history: DynamicTreeHistory, select: Selector, verify_length: int, *,
                        predictor: HistoryExpertPredictor | None = None, experts: ExpertInputs | None = None,
-                       checks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       checks: bool = False) -> PaddedVerify:
     """Our replacement of resampling_final_draft_tokens, as a pure function.
 
     checks=False is the graph-safe path (no shape checks, which read sizes on the host).
-    Returns (real_draft_tokens [B, N] int32, topk_score_indices [B, N] int64 ascending).
+    Returns the selection padded to `verify_length` with copies (padding.py): its
+    draft_tokens and topk_score_indices are what TensorRT-LLM's method returns, its
+    parents what the worker's parent buffer must hold for build_dynamic_tree.
     """
     tree = draft_tree_from_history(history, checks=checks)
     node_bits = root_bits = None
@@ -75,8 +80,7 @@ def moespec_resampling(history: DynamicTreeHistory, select: Selector, verify_len
         if predictor is None or experts is None:
             raise ValueError("this policy needs per-node expert predictions: give the predictor and its inputs")
         node_bits, root_bits = predictor.predict(history, experts.slot_hidden, experts.root_ids, experts.embed)
-    selection = selection_to_trtllm(history, tree, select(tree, node_bits, root_bits), verify_length, checks=checks)
-    return selection.draft_tokens, selection.topk_score_indices
+    return pad_with_copies(history, tree, select(tree, node_bits, root_bits), verify_length, checks=checks)
 
 
 def make_worker_class(base: type) -> type:
@@ -87,6 +91,13 @@ def make_worker_class(base: type) -> type:
 
         def __init__(self, *args: Any, moespec_settings: WorkerSettings, moespec_num_experts: int | None = None,
                      **kwargs: Any) -> None:
+            spec_config = args[0] if args else kwargs.get("spec_config")
+            if getattr(spec_config, "use_rejection_sampling", False):
+                # Copies (padding.py) are exact under greedy and exact-match verification only: the target-only
+                # rejection kernel sums sibling probabilities and would count a copied token twice.
+                raise ValueError("the MoESpec worker pads with copies of selected nodes, which TensorRT-LLM's "
+                                 "dynamic-tree rejection sampling would accept with the wrong probability: set "
+                                 "speculative_config.use_rejection_sampling: false (moespec build writes it)")
             super().__init__(*args, **kwargs)
             self.moespec_settings = moespec_settings
             device = self.history_score_buffer.device
@@ -134,8 +145,12 @@ def make_worker_class(base: type) -> type:
             if self._moespec_predictor is not None:
                 experts = ExpertInputs(self._moespec_slot_hidden[:batch_size], self._moespec_root_ids[:batch_size],
                                        self._moespec_embed)
-            return moespec_resampling(history, self._moespec_select, self.max_total_draft_tokens,
-                                      predictor=self._moespec_predictor, experts=experts)
+            padded = moespec_resampling(history, self._moespec_select, self.max_total_draft_tokens,
+                                        predictor=self._moespec_predictor, experts=experts)
+            # build_dynamic_tree reads this buffer right after; groups a copy was moved into now point at
+            # the copied node's parent (padding.py). The next drafting loop rewrites every entry it uses.
+            self.history_draft_tokens_parent_buffer[:batch_size].copy_(padded.parents)
+            return padded.draft_tokens, padded.topk_score_indices
 
     MoESpecDynamicTreeWorker.__qualname__ = "MoESpecDynamicTreeWorker"
     return MoESpecDynamicTreeWorker
