@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .assets import DEFAULT_MODEL
 from .core.cost import CostTable
 from .core.logprobs import MAX_LOGPROBS, TokenLogprob
 from .core.logit_rules import LogitRules, TokenHistory
@@ -186,7 +187,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "moespec-tiny",
+        model: str = DEFAULT_MODEL,
         draft_model: str | None = None,
         policy: str = "joint",
         tree: TreeConfig = TreeConfig(),

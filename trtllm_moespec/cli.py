@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+from .assets import DEFAULT_MODEL, SHIPPED_MODELS
 from . import __version__
 
 
@@ -78,7 +79,7 @@ def _device(text: str) -> str:
 def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) -> None:
     """The model options every command shares; `batch_policies` adds the batch-level selections."""
     policies = POLICY_CHOICES + (BATCH_POLICY_CHOICES if batch_policies else ())
-    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny' (the embedded model)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"local HF directory or an embedded model ({', '.join(SHIPPED_MODELS)}; default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", default=None,
                    help="EAGLE-3 drafter directory (SpecForge format); default: the model's own, if it has one")
     p.add_argument("--drafter", default="eagle3", choices=["eagle3", "ngram"],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .assets import SHIPPED_MODELS, shipped_model_paths
 from .core.cost import CostTable, RooflineCostModel
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
@@ -35,11 +36,9 @@ class ModelPaths:
 
 
 def resolve_model(model: str, draft_model: str | None = None, predictor: str | None = None) -> ModelPaths:
-    if model == TINY:
-        from .assets import tiny_model_paths
-
-        p = tiny_model_paths()
-        target, draft, pred, model_id = p["target"], p["draft"], p["predictor"], TINY
+    if model in SHIPPED_MODELS:
+        p = shipped_model_paths(model)
+        target, draft, pred, model_id = p["target"], p["draft"], p["predictor"], model
         profile = p["target"].parent / PROFILE_NAME
         head = p["predictor_head"] if p["predictor_head"].is_dir() else None
         values_dir = {"calibrator": p["calibrator"] if p["calibrator"].is_file() else None,
@@ -48,7 +47,7 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
         target = Path(model).expanduser()
         if not target.is_dir():
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
-                                    f"only; use '{TINY}' for the embedded default)")
+                                    f"only; use one of {', '.join(map(repr, SHIPPED_MODELS))} for an embedded model)")
         draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
         calib, head_dir = target / CALIBRATOR_NAME, target / ACCEPTANCE_HEAD_NAME
         values_dir = {"calibrator": calib if calib.is_file() else None,
@@ -150,7 +149,7 @@ def load_cost_profile(policy: str, cost_profile, paths: ModelPaths, device: str,
     if not path.is_file():
         raise ValueError(
             f"policy {policy!r} needs a cost profile and there is none at {path}. Make one on this machine with "
-            f"`moespec profile --model {paths.model_id if paths.model_id == TINY else paths.target}`, pass "
+            f"`moespec profile --model {paths.model_id if paths.model_id in SHIPPED_MODELS else paths.target}`, pass "
             "cost_profile=PATH, or cost_profile='roofline:H200' for a labelled (unmeasured) estimate")
     return CostTable.load(path, model_id=paths.model_id, device=device, dtype=dtype, tree=tree.as_tuple(),
                           override=override)

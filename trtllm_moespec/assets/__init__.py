@@ -1,23 +1,35 @@
-"""Artefacts shipped inside the package: the trained `moespec-tiny` model family."""
+"""Artefacts shipped inside the package: the trained model families `moespec-tiny` (the fast model of
+the test suite) and `moespec-base` (the deployment cost regime, the default where a model is optional)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-TINY_DIR = Path(__file__).resolve().parent / "moespec-tiny"
+ASSETS_DIR = Path(__file__).resolve().parent
+SHIPPED_MODELS = ("moespec-base", "moespec-tiny")
+DEFAULT_MODEL = "moespec-tiny"
+TINY_DIR = ASSETS_DIR / "moespec-tiny"
+
+
+def shipped_model_paths(name: str) -> dict[str, Path]:
+    """Paths of a shipped family: keys `target`, `draft`, `predictor` (EcoSpec's standalone predictor;
+    may be absent), `predictor_head` (ours: a head on the drafter's hidden state), `calibrator` (the
+    node-value calibrator prior) and `acceptance_head` (the learned acceptance head).
+
+    Raises FileNotFoundError when the package was installed without the family's assets.
+    """
+    if name not in SHIPPED_MODELS:
+        raise ValueError(f"{name!r} is not a shipped model; shipped: {', '.join(SHIPPED_MODELS)}")
+    root = ASSETS_DIR / name
+    paths = {"target": root / "target", "draft": root / "eagle3", "predictor": root / "predictor",
+             "predictor_head": root / "predictor-head", "calibrator": root / "values" / "calibrator.json",
+             "acceptance_head": root / "acceptance-head"}
+    if not (paths["target"] / "config.json").is_file():
+        raise FileNotFoundError(f"the embedded {name} target is missing at {paths['target']}; reinstall the "
+                                f"package or rebuild it with `python build_scripts/train_model.py --family {name.split('-')[1]}`")
+    return paths
 
 
 def tiny_model_paths() -> dict[str, Path]:
-    """Paths of the embedded default: keys `target`, `draft`, `predictor` (EcoSpec's standalone
-    predictor), `predictor_head` (ours: a head on the drafter's hidden state), `calibrator` (the node-value
-    calibrator prior) and `acceptance_head` (the learned acceptance head).
-
-    Raises FileNotFoundError when the package was installed without its assets.
-    """
-    paths = {"target": TINY_DIR / "target", "draft": TINY_DIR / "eagle3", "predictor": TINY_DIR / "predictor",
-             "predictor_head": TINY_DIR / "predictor-head", "calibrator": TINY_DIR / "values" / "calibrator.json",
-             "acceptance_head": TINY_DIR / "acceptance-head"}
-    if not (paths["target"] / "config.json").is_file():
-        raise FileNotFoundError(f"the embedded moespec-tiny target is missing at {paths['target']}; reinstall the "
-                                "package or rebuild it with `python build_scripts/train_tiny.py`")
-    return paths
+    """`shipped_model_paths("moespec-tiny")`: the model the tests use where speed matters."""
+    return shipped_model_paths("moespec-tiny")

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..assets import DEFAULT_MODEL
 from ..cli import DefaultsHelpFormatter
 from .datasets import DATASETS, load_prompts, tokenization_note
 from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec, values_specs
@@ -39,7 +40,7 @@ def _csv(kind):
 def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny'")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"local HF directory or an embedded model (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens shared by every EAGLE-family method")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

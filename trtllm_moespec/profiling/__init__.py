@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..assets import DEFAULT_MODEL
 from ..core.cost import CostTable, ExpertCostModel
 from .measure import (PLAIN, CostCurve, ForcedBudget, ForcedGuard, NoiseReport, StepDriver, StepSample, assess_noise,
                       monotone, run_interleaved, summarize, time_draft_forward, trim_outliers, trim_values)
@@ -64,7 +65,7 @@ def default_prompts(num: int = 3) -> list[str]:
     return [texts[i % len(texts)] for i in range(num)]
 
 
-def profile_model(model: str = "moespec-tiny", draft_model: str | None = None, tree=None, device: str = "cpu",
+def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tree=None, device: str = "cpu",
                   dtype: str = "float32", repeats: int = 40, warmup_rounds: int = 2, prompts: list[str] | None = None,
                   out: str | Path | None = None, seed: int = 0, show_progress: bool = True,
                   allow_noisy: bool = False, ep=None) -> ProfileResult:
@@ -155,15 +156,15 @@ def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | Non
 
 def output_path(model_profile: Path, out: str | Path | None) -> Path:
     """Where the profile goes: --out, else beside the model unless the model ships inside the package."""
-    from ..assets import TINY_DIR
+    from ..assets import ASSETS_DIR
 
     if out is not None:
         path = Path(out)
         if path.is_dir():
             raise ValueError(f"--out {path} is a directory; give a file path such as {path / 'cost_profile.json'}")
         return path
-    if model_profile.resolve().is_relative_to(TINY_DIR.resolve().parent):
-        return Path.cwd() / f"{TINY_DIR.name}.cost_profile.json"  # shipped assets are never written by a default
+    if model_profile.resolve().is_relative_to(ASSETS_DIR):
+        return Path.cwd() / f"{model_profile.parent.name}.cost_profile.json"  # shipped assets are never written by a default
     return model_profile
 
 
@@ -227,11 +228,11 @@ def format_table(result: ProfileResult) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moespec profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="moespec-tiny", help="local HF directory or 'moespec-tiny'")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"local HF directory or an embedded model (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens (default 4,8,32)")
     p.add_argument("--out", default=None, help="output file (default: cost_profile.json beside the model; for the "
-                   "shipped moespec-tiny ./moespec-tiny.cost_profile.json, never the shipped asset)")
+                   "shipped models ./moespec-<family>.cost_profile.json, never the shipped asset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=40, help="timed rounds over all k (default 40)")

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..assets import DEFAULT_MODEL
 from ..bench import _csv  # one parser for comma-separated options
 
 __all__ = ["main"]
@@ -30,7 +31,7 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("record", help="decode live and record every step with the target's verdicts")
-    r.add_argument("--model", default="moespec-tiny")
+    r.add_argument("--model", default=DEFAULT_MODEL)
     r.add_argument("--draft-model", default=None)
     r.add_argument("--policy", default="eagle3", help="the live policy (default eagle3: the fixed tree)")
     r.add_argument("--values", default="calibrated", help="the live value model of a cost-aware policy")

@@ -1,4 +1,4 @@
-"""`build_scripts/train_tiny.py` subcommands of the EAGLE-3 drafter and the draft-head predictor:
+"""`build_scripts/train_model.py` subcommands of the EAGLE-3 drafter and the draft-head predictor:
 
   eagle3                  train the drafter against the exported target (time-bounded, resumable)
   export-eagle3           write it (fp16, SpecForge format, shared embedding) into the package assets
@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 
 
-def add_subcommands(sub, asset_dir: Path) -> None:
+def add_subcommands(sub, asset_dir: Path, runs: Path) -> None:
     p = sub.add_parser("eagle3", help="train the EAGLE-3 drafter of the exported target (training-time test)")
     p.add_argument("--target", type=Path, default=asset_dir / "target")
-    p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
-    p.add_argument("--out", type=Path, default=Path("runs/tiny/eagle3"))
+    p.add_argument("--data", type=Path, default=Path(runs / "data"))
+    p.add_argument("--out", type=Path, default=Path(runs / "eagle3"))
     p.add_argument("--minutes", type=float, default=25.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
@@ -31,7 +31,7 @@ def add_subcommands(sub, asset_dir: Path) -> None:
     p.add_argument("--resume", action="store_true")
     p.set_defaults(fn=cmd_eagle3)
     p = sub.add_parser("export-eagle3", help="write the drafter into the package assets (fp16)")
-    p.add_argument("--run", type=Path, default=Path("runs/tiny/eagle3"))
+    p.add_argument("--run", type=Path, default=Path(runs / "eagle3"))
     p.add_argument("--target", type=Path, default=asset_dir / "target")
     p.add_argument("--out", type=Path, default=asset_dir / "eagle3")
     p.set_defaults(fn=cmd_export_eagle3)
@@ -41,21 +41,21 @@ def add_subcommands(sub, asset_dir: Path) -> None:
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens")
-    p.add_argument("--out", type=Path, default=Path("runs/tiny/eagle3/acceptance.json"))
+    p.add_argument("--out", type=Path, default=Path(runs / "eagle3/acceptance.json"))
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(fn=cmd_eval_eagle3)
     p = sub.add_parser("predictor-head", help="train our expert-predictor head on the drafter's hidden states")
     p.add_argument("--target", type=Path, default=asset_dir / "target")
     p.add_argument("--drafter", type=Path, default=asset_dir / "eagle3")
-    p.add_argument("--data", type=Path, default=Path("runs/tiny/data"))
-    p.add_argument("--out", type=Path, default=Path("runs/tiny/predictor_head"))
+    p.add_argument("--data", type=Path, default=Path(runs / "data"))
+    p.add_argument("--out", type=Path, default=Path(runs / "predictor_head"))
     p.add_argument("--minutes", type=float, default=6.0)
     p.add_argument("--train-windows", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(fn=cmd_predictor_head)
     p = sub.add_parser("export-predictor-head", help="write the head predictor into the package assets (fp16)")
-    p.add_argument("--run", type=Path, default=Path("runs/tiny/predictor_head"))
+    p.add_argument("--run", type=Path, default=Path(runs / "predictor_head"))
     p.add_argument("--out", type=Path, default=asset_dir / "predictor-head")
     p.set_defaults(fn=cmd_export_predictor_head)
     p = sub.add_parser("eval-predictors", help="ms per step and online top-K hit rate of both expert predictors")
@@ -65,7 +65,7 @@ def add_subcommands(sub, asset_dir: Path) -> None:
     p.add_argument("--head", type=Path, default=asset_dir / "predictor-head")
     p.add_argument("--prompts", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--out", type=Path, default=Path("runs/tiny/predictor_head/online.json"))
+    p.add_argument("--out", type=Path, default=Path(runs / "predictor_head/online.json"))
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(fn=cmd_eval_predictors)
 

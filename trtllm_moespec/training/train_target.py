@@ -30,6 +30,7 @@ from trtllm_moespec.training.checkpoint import Progress, load_checkpoint, save_c
 from trtllm_moespec.training.data import contiguous_windows, load_streams, random_windows
 from trtllm_moespec.training.schedule import cosine_lr
 from trtllm_moespec.training.target import TargetShape, make_config
+from trtllm_moespec.training.upscale import warm_start
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class TrainConfig:
     eval_windows: int = 16  # held-out windows per periodic evaluation
     final_eval_windows: int = 96  # at the end of a session (the export reports the full held-out set)
     seed: int = 0
+    init_from: str = ""  # exported target to warm-start a new run from (training/upscale.py); "" = random init
 
 
 def lr_at(step: int, elapsed_s: float, progress: Progress, cfg: TrainConfig) -> float:
@@ -126,6 +128,9 @@ def train_target(data_dir: Path, out_dir: Path, shape: TargetShape, cfg: TrainCo
         log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s")
     else:
         progress = Progress(step=0, planned_s=cfg.minutes * 60, tokens_seen=0, elapsed_s=0.0, best_heldout_loss=float("inf"))
+        if cfg.init_from:
+            how = warm_start(model, Path(cfg.init_from))
+            log.info(f"warm start ({how}) from {cfg.init_from}: held-out loss {heldout_loss(model, streams.heldout, cfg.seq_len, cfg.eval_windows):.4f}")
         (out_dir / "run_config.json").write_text(json.dumps({"shape": asdict(shape), "train": asdict(cfg)}, indent=2))
         log.info(f"start: {sum(p.numel() for p in model.parameters())} params, shape {asdict(shape)}, train {asdict(cfg)}")
     step, tokens, best = progress.step, progress.tokens_seen, progress.best_heldout_loss
