@@ -1,23 +1,31 @@
 """Resolve what a user names (a model dir or `moespec-tiny`, profiles, predictors) into
 checked local paths and loaded artefacts, failing early with a message that says
 how to fix the problem. Nothing is ever downloaded.
+
+`resolve_config` is the one resolution step of `LLM`: the user's `MoESpecConfig` and
+`RuntimeConfig` become a `ResolvedConfig` (config.py) with every default decided and every
+named file checked, cheap checks first and the model before anything derived from it, so a
+bad checkpoint, a missing profile or drafter, or a tree the drafter cannot draft fails before
+any weights load.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .assets import SHIPPED_MODELS, shipped_model_paths
+from .config import COST_AWARE, TINY, MoESpecConfig, ResolvedConfig, RuntimeConfig
 from .core.cost import CostTable, RooflineCostModel
+from .core.policies import POLICIES
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
 
 log = logging.getLogger(__name__)
-TINY = "moespec-tiny"
+__all__ = ["TINY", "ModelPaths", "resolve_config", "resolve_model"]
 PROFILE_NAME = "cost_profile.json"
 CALIBRATOR_NAME = "value_calibrator.json"  # beside a local model's config.json: its value calibrator prior
 ACCEPTANCE_HEAD_NAME = "acceptance_head"  # beside a local model's config.json: its learned acceptance head
@@ -33,6 +41,101 @@ class ModelPaths:
     predictor_head: Path | None = None  # our draft-head predictor shipped with the model, if any
     calibrator: Path | None = None  # value calibrator prior (core/values.py) shipped with the model, if any
     acceptance_head: Path | None = None  # learned acceptance head shipped with the model, if any
+
+
+def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> ResolvedConfig:
+    """The one resolution step of `LLM` (module docstring): checks in order of cost, defaults decided.
+    `ep`: the expert-parallel context of an `mpirun` job, or None (one process)."""
+    from .models.checkpoint import parse_dtype
+
+    device = parse_device(runtime.device)
+    parse_dtype(runtime.dtype)
+    check_threads(runtime.threads)
+    if runtime.prefix_cache and (runtime.model_impl != "lean" or ep is not None):
+        raise ValueError("prefix_cache needs model_impl='lean' and one process (its K/V copy runs on this "
+                         "process's cache only)")
+    cuda_graphs = _resolve_cuda_graphs(runtime.cuda_graphs, device, runtime.model_impl, ep)
+    policy, tree = spec.policy, spec.tree
+    paths = resolve_model(str(runtime.model), spec.draft_model, spec.predictor)
+    check_target_dir(paths.target)
+    if spec.values == "head" and paths.acceptance_head is None:
+        raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none "
+                         "(use values='calibrated')")
+    if policy == "joint" and spec.drafter == "eagle3" and paths.predictor_head is not None:
+        # Ours reads routing off the drafter's hidden state: no extra forward per step.
+        paths = replace(paths, predictor=paths.predictor_head)
+    needs = POLICIES.get(policy, POLICIES["eagle3"])
+    if needs.drafts and spec.drafter == "eagle3" and paths.draft is not None:
+        check_tree_fits_drafter(tree, paths.draft)
+    if needs.drafts and spec.drafter == "eagle3" and paths.draft is None:
+        raise ValueError(f"policy {policy!r} drafts with EAGLE-3 but no draft model was given: pass "
+                         "draft_model=DIR (SpecForge format) or drafter='ngram'")
+    if needs.needs_experts and paths.predictor is None and spec.predictor != "oracle":
+        raise ValueError(f"policy {policy!r} needs an expert predictor: pass predictor=DIR, or predictor='oracle' "
+                         "(analysis only: a target forward per step)")
+    profile = load_cost_profile(policy, spec.cost_profile, paths, device_name(device), runtime.dtype, tree,
+                                spec.override_profile)
+    rules_profile = profile if profile is not None else _optional_profile(policy, paths, device, runtime.dtype, tree,
+                                                                          spec.override_profile)
+    return ResolvedConfig(
+        spec=spec, runtime=runtime, paths=paths, device=device, cuda_graphs=cuda_graphs,
+        drafter=spec.drafter if needs.drafts else None, profile=profile, rules_profile=rules_profile,
+        guard=_resolve_guard(policy, spec.guard, rules_profile),
+        draft_stop=_resolve_draft_stop(policy, spec.draft_stop, rules_profile),
+        ddd_threshold=spec.ddd_threshold if spec.ddd_threshold is not None else (0.3 if policy == "ddd" else None),
+        oracle_predictor=spec.predictor == "oracle", policy_options=dict(spec.policy_options or {}))
+
+
+def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:
+    """Whether the verify forward replays CUDA graphs: on by default for CUDA + lean (the graphs
+    capture the lean static-shape forward), never elsewhere; asking for them where they cannot run
+    is an error rather than a silent eager run."""
+    possible = device.type == "cuda" and model_impl == "lean" and ep is None
+    if requested and not possible:
+        why = ("the target is on " + str(device)) if device.type != "cuda" else (
+            "model_impl='hf' runs transformers' forward" if model_impl != "lean" else "expert parallelism is on")
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, model_impl='lean' and no --ep; {why}")
+    return possible if requested is None else requested
+
+
+def _optional_profile(policy: str, paths: "ModelPaths", device: torch.device, dtype: str, tree: TreeConfig,
+                      override: bool) -> CostTable | None:
+    """The model's own profile for the drafting rules of a cost-aware policy that does not need one
+    (ecospec, coverage, ddd): used when present and valid for this setting, else those rules fall back
+    (the guard then measures both step kinds itself; drafting is not cut)."""
+    if policy not in COST_AWARE or not paths.cost_profile.is_file():
+        return None
+    try:
+        return CostTable.load(paths.cost_profile, model_id=paths.model_id, device=device_name(device), dtype=dtype,
+                              tree=tree.as_tuple(), override=override)
+    except ValueError:
+        return None
+
+
+def _resolve_guard(policy: str, mode: str, profile: CostTable | None) -> str:
+    """The speculate-or-not rule: `auto` = the measured goodput guard for cost-aware policies, off otherwise;
+    `measured`; `profiled` (k = 0 before drafting on the profiled costs only); `off`."""
+    if mode == "auto":
+        mode = "measured" if policy in COST_AWARE else "off"
+    if mode == "off" or policy == "ar":
+        return "off"
+    if mode == "profiled" and (profile is None or profile.plain_step is None):
+        raise ValueError("guard='profiled' needs a cost profile with a plain-step cost; re-profile with `moespec profile`")
+    return mode
+
+
+def _resolve_draft_stop(policy: str, requested: bool | None, profile: CostTable | None) -> bool:
+    """Stop drafting when another drafter forward cannot pay (core.drafting): on by default for the
+    cost-aware policies when the profile has the cost of one drafter forward."""
+    wanted = (policy in COST_AWARE and policy != "ddd") if requested is None else requested
+    if not wanted:
+        return False
+    if profile is None or profile.draft_forward is None:
+        if requested:
+            raise ValueError("draft_stop=True needs a cost profile with the cost of one drafter forward; "
+                             "re-profile with `moespec profile`")
+        return False
+    return True
 
 
 def resolve_model(model: str, draft_model: str | None = None, predictor: str | None = None) -> ModelPaths:
@@ -88,6 +191,15 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def check_threads(threads: int | None) -> None:
+    """torch intra-op threads: None, or an integer in [1, this machine's CPUs]."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus):
+        raise ValueError(f"threads must be an integer in [1, {cpus}] (this machine's CPUs) or None, got {threads!r}")
+
+
 def set_cpu_threads(threads: int | None, device: torch.device) -> None:
     """torch intra-op threads for CPU runs (None: leave torch's setting alone).
 
@@ -95,14 +207,8 @@ def set_cpu_threads(threads: int | None, device: torch.device) -> None:
     shared CPU OpenMP barriers stall (a 2-core machine ran 2.7-49 tok/s with torch's default against
     207 tok/s with one thread). The setting is process-wide, as torch's is.
     """
-    if threads is None:
-        return
-    import os
-
-    cpus = os.cpu_count() or 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
-        raise ValueError(f"threads must be an integer in [1, {cpus}] (this machine's CPUs) or None, got {threads!r}")
-    if device.type == "cpu" and torch.get_num_threads() != threads:
+    check_threads(threads)
+    if threads is not None and device.type == "cpu" and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 

@@ -120,7 +120,7 @@ def test_chat_on_moespec_tiny(tiny_ar):
     with pytest.raises(ValueError, match="no chat template"):
         tiny_ar.chat(messages)
     template = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}# assistant:"
-    out = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=template)
+    [out] = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=template)  # a list, as vLLM's
     assert out.prompt_token_ids == tiny_ar.tokenizer.encode("# user: write fib\n# assistant:", add_special_tokens=False)
     assert len(out.token_ids) == 3
     for bad in ("hello", [], [{"role": "user"}], [{"role": "user", "content": 3}], [messages, []]):
@@ -130,9 +130,9 @@ def test_chat_on_moespec_tiny(tiny_ar):
     other = [{"role": "user", "content": "sort a list"}]
     both = tiny_ar.chat([messages, other], SamplingParams(max_tokens=3), chat_template=template)
     assert [o.token_ids for o in both] == [out.token_ids, tiny_ar.chat(other, SamplingParams(max_tokens=3),
-                                                                       chat_template=template).token_ids]
+                                                                       chat_template=template)[0].token_ids]
     thinking = "{% if enable_thinking %}/think {% endif %}" + template
-    kwargs = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=thinking,
+    [kwargs] = tiny_ar.chat(messages, SamplingParams(max_tokens=3), chat_template=thinking,
                           chat_template_kwargs={"enable_thinking": True})
     assert kwargs.prompt_token_ids == tiny_ar.tokenizer.encode("/think # user: write fib\n# assistant:",
                                                                add_special_tokens=False)

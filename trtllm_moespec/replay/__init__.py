@@ -147,7 +147,7 @@ def _score(args, argv) -> int:
     from ..core.policies import POLICIES
     from ..resolve import resolve_model
     from .score import StepCost, replay_policy
-    from ..api import _build_policy
+    from ..assemble import build_policy
     from ..core.cost import CostTable
     from ..engine.config import TreeConfig
 
@@ -164,7 +164,7 @@ def _score(args, argv) -> int:
         if name not in POLICIES or name in ("ar", "oracle"):
             raise ValueError(f"replay scores drafting policies ({', '.join(sorted(set(POLICIES) - {'ar', 'oracle'}))}); "
                              f"got {name!r} (the oracle selection is always scored)")
-        policy = _build_policy(name, tree, table, {})
+        policy = build_policy(name, tree, table, {})
         for kind in (args.values if policy.uses_values else ("raw",)):
             label = f"{name}[values={kind}]" if policy.uses_values else name
             tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
