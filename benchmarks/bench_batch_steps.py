@@ -10,7 +10,7 @@ prefilled together in one forward (`engine.batch.prefill_batch`), and the prefil
 by one and together is timed beside each other.
 
     python -m benchmarks.bench_batch_steps [--batch-sizes 1,2,4,8] [--methods ar,joint,joint-batch,evict-batch]
-        [--tokens 128] [--repeats 10] [--json PATH]
+        [--tokens 128] [--repeats 10] [--model moespec-tiny] [--json PATH]
 
 `eagle3` (unguarded, it speculates every step) against `eagle3-one-by-one`, the same with its batch's
 drafter forwards run request by request instead of packed, measures batched drafting.
@@ -94,6 +94,7 @@ def main(argv=None) -> dict:
     from trtllm_moespec.engine.batch import BatchedEngine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="moespec-tiny", help="local HF directory or an embedded model")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--methods", default="ar,joint,joint-batch,evict-batch")
     ap.add_argument("--tokens", type=int, default=128)
@@ -105,7 +106,7 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",")
     if "ar" not in methods or any(m not in POLICY for m in methods):
         raise SystemExit(f"--methods: a comma list of {', '.join(POLICY)} including ar")
-    llms = {p: LLM("moespec-tiny", policy=p) for p in {POLICY[m] for m in methods}}
+    llms = {p: LLM(args.model, policy=p) for p in {POLICY[m] for m in methods}}
     ids = _context_ids(llms["ar"], PROMPT_TOKENS)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     engines = {(m, b): BatchedEngine(_engine(llms[POLICY[m]], m), b, batch_policy=m if m.endswith("-batch") else None)
@@ -119,7 +120,7 @@ def main(argv=None) -> dict:
             rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
     step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
     prefill = _prefill_ms(llms["ar"].target, ids, sizes)
-    result = {"load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
+    result = {"model": args.model, "load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
               "prefill_96_ms": prefill, "cells": []}
     for b, (alone, together) in prefill.items():
         print(f"prefill of {b} prompt(s) of {PROMPT_TOKENS - b + 1}..{PROMPT_TOKENS} tokens: one by one {alone:.2f} ms, "

@@ -1,7 +1,7 @@
 """How much of the target's greedy output a reduced draft vocabulary (SpecForge d2t/t2d) covers.
 
 The vocabulary of size N is the N tokens the target predicts most often (argmax) on
-calibration text: training files of the moespec-tiny corpus (the Python standard library).
+calibration text: training files of the embedded models' corpus (the Python standard library).
 Coverage is measured on (a) the target's argmax over held-out files and (b) the tokens the
 target really emits greedily on the benchmark prompts (HumanEval, MT-Bench, GSM8K). A drafter
 can never propose a token outside its vocabulary, so (1 - coverage) bounds the acceptance lost.
@@ -11,11 +11,11 @@ Then eagle3 (tree 4,8,32) with the drafter pruned to N in --pruned (no retrainin
 prompts interleaved: Mat and tokens/s (greedy output must stay identical).
 
 --export N writes the drafter pruned to the top N tokens to --export-dir (default: the shipped
-moespec-tiny drafter, fp16 like the export of `train_tiny.py export-eagle3`): lm_head keeps N rows,
+drafter of --model, fp16 like the export of `train_model.py export-eagle3`): lm_head keeps N rows,
 d2t/t2d describe them, config.json says draft_vocab_size N. The ranking depends on the target only,
 so exporting from an already pruned drafter with the same N gives the same drafter again.
 
-    python -m benchmarks.draft_vocab [--windows 64] [--prompts 8] [--tokens 64] [--pruned 1024,512]
+    python -m benchmarks.draft_vocab [--model moespec-tiny|moespec-base] [--windows 64] [--prompts 8] [--tokens 64] [--pruned 1024,512]
         [--drafter DIR] [--export N [--export-dir DIR]] [--out PATH]
 Prints a table, then one JSON line.
 """
@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
+from trtllm_moespec.assets import SHIPPED_MODELS, shipped_model_paths
 from trtllm_moespec.bench.datasets import load_prompts
 from trtllm_moespec.training.corpus import read_documents, split_by_file, stdlib_root
 
 SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "trtllm_moespec" / "assets" / "moespec-tiny" / "eagle3"
 
 
 def export_pruned(llm: LLM, ranking: torch.Tensor, size: int, source: Path, out_dir: Path) -> Path:
@@ -71,11 +71,11 @@ def _argmax_tokens(llm: LLM, texts: list[str], num_windows: int, window: int, se
     return torch.cat(out)
 
 
-def _pruned_eagle3(ranking: torch.Tensor, sizes: list[int], num_prompts: int, tokens: int, drafter: Path) -> list[dict]:
+def _pruned_eagle3(model: str, ranking: torch.Tensor, sizes: list[int], num_prompts: int, tokens: int, drafter: Path) -> list[dict]:
     """eagle3 with the drafter at `drafter` as it is and pruned to each size, prompts interleaved."""
     import statistics
 
-    llms = {V: LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(4, 8, 32), draft_model=str(drafter))
+    llms = {V: LLM(model, policy="eagle3", tree=TreeConfig(4, 8, 32), draft_model=str(drafter))
             for V in [0] + sizes}
     for n, llm in llms.items():
         if n:
@@ -102,20 +102,23 @@ def _pruned_eagle3(ranking: torch.Tensor, sizes: list[int], num_prompts: int, to
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="moespec-tiny", choices=SHIPPED_MODELS, help="the shipped model family")
     ap.add_argument("--windows", type=int, default=64, help="calibration and held-out windows of 256 tokens")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per dataset for the greedy-output coverage")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pruned", default="1024,512", help="pruned draft-vocabulary sizes to run eagle3 with")
     ap.add_argument("--spec-prompts", type=int, default=3, help="prompts per dataset for the eagle3 runs")
-    ap.add_argument("--drafter", type=Path, default=SHIPPED_DRAFTER, help="the unpruned EAGLE-3 drafter directory")
+    ap.add_argument("--drafter", type=Path, default=None, help="the unpruned EAGLE-3 drafter directory (default: the model's)")
     ap.add_argument("--export", type=int, default=None, metavar="N", help="write the drafter pruned to N tokens")
-    ap.add_argument("--export-dir", type=Path, default=SHIPPED_DRAFTER)
+    ap.add_argument("--export-dir", type=Path, default=None, help="default: the model's shipped drafter directory")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    shipped_drafter = shipped_model_paths(args.model)["draft"]
+    args.drafter, args.export_dir = args.drafter or shipped_drafter, args.export_dir or shipped_drafter
     if args.export is not None and not 1 <= args.export <= 4096:
         raise SystemExit(f"--export N must be in [1, 4096], got {args.export}")
     torch.set_num_threads(1)
-    llm = LLM("moespec-tiny", policy="ar")
+    llm = LLM(args.model, policy="ar")
     V = llm.target.vocab_size
     split = split_by_file(stdlib_root())
     calib_files = random.Random(1).sample(list(split.train), 200)
@@ -137,9 +140,9 @@ def main(argv=None) -> dict:
         keep[ranking[:n]] = True
         rows.append(dict(draft_vocab_size=n, heldout_argmax_coverage=float(keep[heldout].float().mean()),
                          greedy_output_coverage=float(keep[greedy_t].float().mean())))
-    spec = _pruned_eagle3(ranking, [int(n) for n in args.pruned.split(",") if n], args.spec_prompts, args.tokens,
+    spec = _pruned_eagle3(args.model, ranking, [int(n) for n in args.pruned.split(",") if n], args.spec_prompts, args.tokens,
                           args.drafter)
-    result = dict(benchmark="draft_vocab_coverage", eagle3_pruned=spec, model="moespec-tiny", calibration_tokens=int(calib.numel()),
+    result = dict(benchmark="draft_vocab_coverage", eagle3_pruned=spec, model=args.model, calibration_tokens=int(calib.numel()),
                   heldout_tokens=int(heldout.numel()), greedy_tokens=len(greedy), rows=rows,
                   load_average=os.getloadavg()[0])
     print(f"reduced draft vocabulary coverage (calibration: target argmax on {calib.numel()} corpus tokens)")

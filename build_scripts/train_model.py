@@ -104,7 +104,7 @@ def cmd_export_predictor(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from trtllm_moespec.training.report import build_report
 
-    build_report(args.target, args.predictor, args.data, args.out, args.max_windows, args.reps)
+    build_report(args.target, args.predictor, args.data, args.out, args.max_windows, args.reps, args.ablation_windows)
 
 
 def _dir_mb(path: Path) -> float:
@@ -165,6 +165,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(runs / "report.json"))
     p.add_argument("--max-windows", type=int, default=None, help="limit the held-out 512-token windows (default: all)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per k and offset")
+    p.add_argument("--ablation-windows", type=int, default=0, help="256-token held-out windows on which every layer and expert is removed in turn (0 = skip)")
     p.set_defaults(fn=cmd_report)
     from trtllm_moespec.training.eagle3_cli import add_subcommands as add_eagle3_subcommands
 

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from trtllm_moespec.core.tree import DraftTree
 from trtllm_moespec.models.predictor import ExpertPredictor, num_parameters
+from trtllm_moespec.training.ablation import ablate
 from trtllm_moespec.training.cost_probe import format_curve, measure_cost_curve
 from trtllm_moespec.training.data import contiguous_windows, load_streams
 from trtllm_moespec.training.routing import RouterTrace, max_entropy_bits, utilisation
@@ -65,7 +66,8 @@ def _mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Path, max_windows: int | None = None, reps: int = 7) -> dict:
+def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Path, max_windows: int | None = None, reps: int = 7,
+                 ablation_windows: int = 0) -> dict:
     streams = load_streams(data_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     cfg = model.config
@@ -84,6 +86,11 @@ def build_report(target_dir: Path, predictor_dir: Path, data_dir: Path, out: Pat
         "frac_experts_below_1pct_per_layer": util.frac_below_1pct.tolist(),
         "heldout_pass_s": time.time() - start,
     }
+    if ablation_windows:  # every layer and expert changes the output (training/ablation.py)
+        ablation = ablate(model, contiguous_windows(streams.heldout, 256, ablation_windows))
+        report["ablation"] = ablation.summary() | {"windows": ablation_windows, "window_tokens": 256,
+                                                   "layer_delta": ablation.layer_delta}
+        print(f"ablation on {ablation_windows} x 256 held-out tokens: {ablation.summary()}")
     for impl in ("grouped_mm", "eager"):
         model.set_experts_implementation(impl)
         curve = measure_cost_curve(model, streams.heldout, reps=reps)

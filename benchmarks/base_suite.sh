@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The committed moespec-base results (issue 25): every method interleaved in one run, then offline replay
+# on held-out prompts, the batched engine at B = 1, 4, 8 and the regime plot. 1 torch thread, as profiled.
+# Run on a quiet machine (nothing else running): about 2.5 hours on the 2-core CPU at the full sizes.
+#   bash benchmarks/base_suite.sh                  # everything
+#   STAGES="bench" REPEATS=1 bash benchmarks/base_suite.sh   # a subset (stages: profile bench replay batch regime)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=benchmarks/results/base
+R=runs/base/replay
+M=moespec-base
+STAGES="${STAGES:-profile bench replay batch regime}"
+mkdir -p "$OUT" "$R"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has profile; then  # the shipped profile is replaced only because --out names it
+  moespec profile --model $M --repeats "${PROFILE_REPEATS:-20}" --out trtllm_moespec/assets/$M/cost_profile.json \
+    | tee "$OUT/profile.txt"
+fi
+if has bench; then
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,eagle3,ddd,coverage,evict,ecospec,joint \
+    --temperature 0,1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" \
+    --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
+fi
+if has replay; then  # held-out: the bench's prompts, which neither training nor the calibrator prior saw
+  moespec replay record --model $M --datasets humaneval,mt_bench,gsm8k --num-prompts "${PROMPTS:-8}" --max-tokens 64 \
+    --no-hidden --out $R/heldout_t0.safetensors
+  moespec replay score $R/heldout_t0.safetensors --policies eagle3,evict,ecospec,joint,coverage \
+    --values raw,calibrated --cost fit --json "$OUT/replay_heldout.json" --markdown "$OUT/replay_heldout.md"
+fi
+if has batch; then
+  python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \
+    --tokens 64 --repeats "${BATCH_REPEATS:-3}" --json "$OUT/batch_steps_cpu.json"
+fi
+if has regime; then
+  python -m benchmarks.regime_plot --out benchmarks/results/regime.png
+fi
