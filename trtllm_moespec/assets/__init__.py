@@ -3,11 +3,14 @@ the test suite) and `moespec-base` (the deployment cost regime, the default wher
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
 SHIPPED_MODELS = ("moespec-base", "moespec-tiny")
-DEFAULT_MODEL = "moespec-tiny"
+# Where no model is named (CLI --model, LLM(model=...)). MOESPEC_DEFAULT_MODEL overrides it: the test
+# suite sets moespec-tiny, the fast model, so only the tests that name moespec-base pay for it.
+DEFAULT_MODEL = os.environ.get("MOESPEC_DEFAULT_MODEL") or "moespec-tiny"
 TINY_DIR = ASSETS_DIR / "moespec-tiny"
 
 
