@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.models.conftest import build_hf, gpt_oss_config, qwen3_moe_config
+from trtllm_moespec import TreeConfig
 from trtllm_moespec.core import CostTable, ExpertCostModel
 from trtllm_moespec.models.acceptance_head import write_random_acceptance_head
 from trtllm_moespec.models.eagle3 import write_random_drafter
@@ -45,3 +46,14 @@ def make_tokenized_checkpoint(root) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TINY_TARGET / name, path / name)
     return path
+
+
+def forced_speculation(model_id: str = "moespec-tiny", tree: TreeConfig = TreeConfig()) -> dict:
+    """LLM keyword arguments under which a cost-aware policy speculates wherever it can: no goodput
+    guard, no drafting stop rule, and a profile where a verified node costs a millionth of the step
+    (C(k) and the expert fit nearly flat), so evict's and joint's utility peaks at the largest tree.
+    Left to their measured costs they decline on a CPU, and a test of acceptance would accept nothing."""
+    costs = CostTable(tuple(1.0 + 1e-6 * k for k in range(tree.max_draft_tokens + 1)), model_id=model_id,
+                      device="cpu", dtype="float32", tree=tree.as_tuple(), method="forced cheap (tests)",
+                      expert_model=ExpertCostModel(1.0, 1e-6, 1e-6))
+    return {"guard": "off", "draft_stop": False, "cost_profile": costs, "tree": tree}

@@ -1,5 +1,6 @@
-"""The shipped moespec-tiny artefacts: plain transformers loading, predictor/target
-agreement and the 48 MB package budget (target + eagle3 + predictor)."""
+"""The shipped moespec-tiny artefacts: every file is there (a missing or renamed asset fails here,
+it does not turn tests off), plain transformers loading, predictor/target agreement and the 48 MB
+package budget."""
 
 from __future__ import annotations
 
@@ -17,11 +18,32 @@ TARGET, PREDICTOR = ASSETS / "target", ASSETS / "predictor"
 BUDGET_MB = 48.0
 
 
+# Every file the package ships for moespec-tiny: the LLM's defaults, the tests and the docs rely on them.
+SHIPPED_FILES = (
+    "README.md", "cost_profile.json", "values/calibrator.json",
+    *(f"target/{name}" for name in ("config.json", "generation_config.json", "model.safetensors",
+                                    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")),
+    *(f"{part}/{name}" for part in ("eagle3", "predictor", "predictor-head", "acceptance-head")
+      for name in ("config.json", "model.safetensors")),
+)
+SHIPPED_DIRS = ("target", "eagle3", "predictor", "predictor-head", "acceptance-head", "values")
+
+
+@pytest.mark.parametrize("name", SHIPPED_FILES)
+def test_every_shipped_asset_is_there(name: str) -> None:
+    path = ASSETS / name
+    assert path.is_file() and path.stat().st_size > 0, f"shipped asset missing or empty: {path}"
+
+
+def test_no_unlisted_asset_directory() -> None:
+    """A renamed directory shows up here too, not only as a missing file."""
+    assert sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) == sorted(SHIPPED_DIRS)
+
+
 def _mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
-@pytest.mark.skipif(not (TARGET / "config.json").is_file(), reason="shipped target not exported yet")
 def test_target_loads_with_plain_transformers() -> None:
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(TARGET)
@@ -35,7 +57,6 @@ def test_target_loads_with_plain_transformers() -> None:
     assert logits[0, -1].softmax(-1).max().item() > 0.05
 
 
-@pytest.mark.skipif(not (PREDICTOR / "config.json").is_file(), reason="shipped predictor not exported yet")
 def test_predictor_matches_shipped_target() -> None:
     from transformers import AutoConfig
 
@@ -46,14 +67,12 @@ def test_predictor_matches_shipped_target() -> None:
     assert out.shape == (16, cfg.num_hidden_layers, cfg.num_experts_per_tok)
 
 
-@pytest.mark.skipif(not ASSETS.is_dir(), reason="no shipped assets yet")
 def test_shipped_sizes_within_budget() -> None:
-    dirs = [ASSETS / name for name in ("target", "eagle3", "predictor", "predictor-head", "acceptance-head", "values") if (ASSETS / name).is_dir()]
+    dirs = [ASSETS / name for name in SHIPPED_DIRS]
     total = sum(_mb(d) for d in dirs)
     assert total <= BUDGET_MB, f"shipped moespec-tiny dirs take {total:.1f} MB > {BUDGET_MB} MB: {[(d.name, round(_mb(d), 1)) for d in dirs]}"
 
 
-@pytest.mark.skipif(not (ASSETS / "values").is_dir(), reason="no shipped value calibrator")
 def test_shipped_value_models_load() -> None:
     from trtllm_moespec.core.values import Calibrator
     from trtllm_moespec.models.acceptance_head import AcceptanceHead
@@ -66,12 +85,10 @@ def test_shipped_value_models_load() -> None:
     state = cal.start(0.0)
     g = cal.group_ids(np.array([1]), np.array([0]), np.array([0]))
     assert state.conditional(g, np.array([0.2]))[0] > 0.3
-    if (ASSETS / "acceptance-head").is_dir():
-        head = AcceptanceHead.load(ASSETS / "acceptance-head")
-        assert head.config.hidden_size == 256 and head.config.vocab_size == 4096
+    head = AcceptanceHead.load(ASSETS / "acceptance-head")
+    assert head.config.hidden_size == 256 and head.config.vocab_size == 4096
 
 
-@pytest.mark.skipif(not (ASSETS / "eagle3" / "config.json").is_file(), reason="shipped drafter not exported yet")
 def test_shipped_drafter_has_the_reduced_draft_vocabulary() -> None:
     """512 draft tokens in the SpecForge layout (benchmarks/draft_vocab.py --export 512): lm_head rows,
     d2t and t2d agree, every draft id maps to a distinct target id, and the most frequent tokens are in."""
