@@ -52,6 +52,9 @@ def dirs(tmp_path):
 
     drafts = {name: make(f"draft-{name}", eagle3_config(p)) for name, p in PRESETS.items()}
     drafts["narrow"] = make("draft-narrow", eagle3_config(PRESETS["qwen3-30b-a3b"], width=256))
+    drafts["postnorm"] = make("draft-postnorm", {**eagle3_config(PRESETS["qwen3-30b-a3b"]),
+                                                 "eagle_config": {"return_hidden_post_norm": True}})
+    drafts["normout"] = make("draft-normout", {**eagle3_config(PRESETS["qwen3-30b-a3b"]), "norm_output": True})
     ckpts = {name: make(f"ckpt-{name}", hf_config(p)) for name, p in PRESETS.items()}
     return tmp_path, drafts, ckpts
 
@@ -74,8 +77,10 @@ def test_dry_run_writes_a_valid_engine_dir(name, dirs, capsys):
     spec = load_engine_spec(out)
     assert [p.verify_length for p in spec.profiles] == [4, 8, 16, 32]
     assert spec.cost_profile is None and spec.dry_run and not (out / "cost_profile.json").exists()
-    assert spec.versions["tensorrt_llm_range"] == ">=1.3.0.dev0,<2.0.0"  # the default line: dynamic tree
     preset = PRESETS[name]
+    # what the engine really needs: the dynamic-tree line for tree engines, 1.2 or later for chain ones (F14)
+    assert spec.versions["tensorrt_llm_range"] == (">=1.2.0,<2.0.0" if preset.has_sliding_window
+                                                   else ">=1.3.0.dev0,<2.0.0")
     for p in spec.profiles:
         options = yaml.safe_load((out / p.options_yaml).read_text())
         validate_llm_api_options(options)
@@ -125,6 +130,12 @@ def test_local_hf_directory_as_model(dirs, capsys):
         (["--draft-model", "{gptoss_draft}"], "target of hidden size 2880"),
         (["--draft-model", "{target}"], "not an EAGLE-3 drafter config"),
         (["--policy", "medusa"], "invalid choice"),
+        # issue 26: GPT-OSS asserts pp_size == 1 in TensorRT-LLM (F7); post-norm drafters (F10)
+        (["--model", "gpt-oss-20b", "--checkpoint", "{gptoss}", "--draft-model", "{gptoss20_draft}", "--pp", "2"],
+         "does not support pipeline parallelism"),
+        (["--draft-model", "{postnorm}"], "returns post-norm hidden states"),
+        (["--draft-model", "{normout}"], "returns post-norm hidden states"),
+        (["--moe-backend", "FAST"], "invalid choice"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(extra, message, dirs, capsys):
@@ -134,8 +145,10 @@ def test_bad_input_exits_2_with_one_line(extra, message, dirs, capsys):
             "--out": str(tmp / "bad")}
     for key, value in zip(extra[::2], extra[1::2]):
         argv[key] = value.format(tmp=tmp, gptoss=ckpts["gpt-oss-20b"], target=ckpts["qwen3-30b-a3b"],
-                                 narrow=drafts["narrow"], gptoss_draft=drafts["gpt-oss-120b"])
-    if "--policy" in extra:  # argparse's own exit
+                                 narrow=drafts["narrow"], gptoss_draft=drafts["gpt-oss-120b"],
+                                 gptoss20_draft=drafts["gpt-oss-20b"], postnorm=drafts["postnorm"],
+                                 normout=drafts["normout"])
+    if "--policy" in extra or "--moe-backend" in extra:  # argparse's own exit
         with pytest.raises(SystemExit) as exc:
             run([x for kv in argv.items() for x in kv] + ["--dry-run"], capsys)
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -153,6 +166,40 @@ def test_real_build_without_tensorrt_llm_exits_nonzero(dirs, capsys):
                       "--out", tmp / "real"], capsys)
     assert rc == 1 and "tensorrt_llm is not importable" in err and err.strip().count("\n") == 0
     assert not (tmp / "real").exists()
+
+
+def test_real_build_checks_the_installed_line_before_writing(dirs, capsys, monkeypatch):
+    """F8: a tree engine on an installed 1.2.x fails in one line, and nothing is written."""
+    from trtllm_moespec.backends.trtllm import version
+
+    tmp, drafts, ckpts = dirs
+    monkeypatch.setattr(build, "trtllm_available", lambda: True)
+    monkeypatch.setattr(version, "installed_version", lambda: "1.2.3")
+    monkeypatch.setattr(version, "dynamic_tree_available", lambda: False)
+    rc, _, err = run(["--model", "qwen3-30b-a3b", "--checkpoint", ckpts["qwen3-30b-a3b"], "--draft-model",
+                      drafts["qwen3-30b-a3b"], "--out", tmp / "real"], capsys)
+    assert rc == 1 and "tensorrt_llm 1.2.3 does not have" in err and err.strip().count("\n") == 0
+    assert not (tmp / "real").exists()
+    monkeypatch.setattr(version, "installed_version", lambda: "2.1.0")  # a GPT-OSS chain engine: outside its range
+    rc, _, err = run(["--model", "gpt-oss-20b", "--checkpoint", ckpts["gpt-oss-20b"], "--draft-model",
+                      drafts["gpt-oss-20b"], "--out", tmp / "real"], capsys)
+    assert rc == 1 and "2.1.0 is not supported" in err and not (tmp / "real").exists()
+
+
+def test_moe_backend_for_gpt_oss_on_hopper(dirs, capsys):
+    """F15: moe_config.backend (TRITON, CUTLASS, ...) reaches every profile."""
+    tmp, drafts, ckpts = dirs
+    rc, _, err = run(["--model", "gpt-oss-120b", "--checkpoint", ckpts["gpt-oss-120b"], "--draft-model",
+                      drafts["gpt-oss-120b"], "--moe-backend", "TRITON", "--verify-lengths", "4,8", "--out",
+                      tmp / "oss", "--dry-run"], capsys)
+    assert rc == 0, err
+    spec = load_engine_spec(tmp / "oss")
+    assert spec.moe_backend == "TRITON"
+    for p in spec.profiles:
+        options = yaml.safe_load((tmp / "oss" / p.options_yaml).read_text())
+        assert options["moe_config"] == {"backend": "TRITON"}
+    with pytest.raises(ValueError, match="moe_config.backend"):
+        validate_llm_api_options({"moe_config": {"backend": "FAST"}})
 
 
 def test_real_build_needs_a_checkpoint(dirs, capsys):
@@ -209,7 +256,7 @@ def test_policy_ddd_and_eager_policies_and_the_1_2_line(dirs, capsys):
     assert "cuda_graph_config: null" in (tmp / "cov" / "README.md").read_text()
     assert run(common + ["--policy", "eagle3", "--trtllm-line", "1.2", "--out", tmp / "old"], capsys)[0] == 0
     spec = load_engine_spec(tmp / "old")
-    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<1.3.0.dev0"
+    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<2.0.0"
     for p in spec.profiles:
         sc = yaml.safe_load((tmp / "old" / p.options_yaml).read_text())["speculative_config"]
         assert sc["use_dynamic_tree"] is False and sc["max_draft_len"] == sc["max_total_draft_tokens"] == p.verify_length

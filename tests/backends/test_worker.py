@@ -31,11 +31,12 @@ TREE_VERSION = "1.3.0rc9"  # a dynamic-tree line version (with the module presen
 @pytest.mark.parametrize(
     "version,has_module,mode",
     [("1.2.0", False, "chain"), ("1.2.7", False, "chain"), ("1.2.0.post1", False, "chain"),
-     ("1.3.0rc9", True, "tree"), ("1.3.2", True, "tree"), ("1.3.0rc4", False, None), ("1.2.0rc2", False, None),
+     ("1.3.0rc9", True, "tree"), ("1.3.2", True, "tree"), ("1.3.0rc4", False, "chain"), ("1.2.0rc2", False, None),
      ("1.1.0", False, None), ("2.0.0", True, None), ("0.21.0", False, None)],
 )
 def test_version_policy(version, has_module, mode):
-    """1.2.x: linear only; the dynamic tree needs a 1.3+ build that has eagle3_dynamic_tree (PR #13081)."""
+    """1.2.x: linear only; the dynamic tree needs a 1.3+ build that has eagle3_dynamic_tree (PR #13081); a 1.3
+    build without it still runs linear (chain) engines."""
     if mode is None:
         with pytest.raises(UnsupportedTensorRTLLMVersion, match=version.replace(".", "\\.")):
             supported_mode(version, has_module)
@@ -72,6 +73,8 @@ class _Mode:
 
 
 class _SpecConfig:
+    _max_batch_size = 2  # what TensorRT-LLM fills in (the private batch-size contract)
+
     def __init__(self, dynamic, eagle3=True, topk=8):
         self.spec_dec_mode = _Mode(eagle3)
         self.use_dynamic_tree = dynamic
@@ -95,6 +98,7 @@ def _fake_trtllm(monkeypatch, version=TREE_VERSION, history=None, verify_length=
     class Eagle3OneModelDynamicTreeWorker:
         def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
             self.spec_config, self.mapping, self.separate = spec_config, mapping, use_separate_draft_kv_cache
+            self._max_batch_size = spec_config._max_batch_size
             history.validate()
             self.K, self.max_draft_len = history.topk, history.max_draft_len
             self.max_total_draft_tokens = verify_length
@@ -231,3 +235,40 @@ def test_evict_through_the_select_tree_op_matches_the_core_policy(tmp_path):
     for b in range(4):
         assert set(got[b][got[b] >= 0].tolist()) == set(want.node_idx[b][want.node_idx[b] >= 0].tolist())
     _check_parent_closed(history, moespec_resampling(history, select, 32, checks=True))
+
+
+def test_dynamic_tree_support_follows_the_worker_constructor_contract(monkeypatch):
+    """F9: the two dynamic-tree workers learn their batch capacity differently (eagle3_dynamic_tree.py @ 057c8a65:
+    spec_config._max_batch_size, filled by TensorRT-LLM; @ 470bb720: spec_config.max_batch_size, which the
+    speculative_config must carry), under the same 1.3 pre-release version strings: support is decided on
+    the constructor, not on the version."""
+    from trtllm_moespec.backends.trtllm.config import with_batch_contract
+    from trtllm_moespec.backends.trtllm.worker import worker_batch_contract
+
+    class Private:
+        def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
+            self._max_batch_size = spec_config._max_batch_size
+
+    class Public:
+        def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
+            if spec_config.max_batch_size is None:
+                raise ValueError("requires max_batch_size")
+
+    class Unknown:
+        def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
+            self.size = 8
+
+    assert worker_batch_contract(Private) == "private" and worker_batch_contract(Public) == "public"
+    with pytest.raises(RuntimeError, match="reads neither"):
+        worker_batch_contract(Unknown)
+    options = {"max_batch_size": 6, "speculative_config": {"decoding_type": "Eagle3", "max_draft_len": 4}}
+    assert with_batch_contract(options, "private") == options
+    assert with_batch_contract(options, "public")["speculative_config"]["max_batch_size"] == 6
+    assert "max_batch_size" not in options["speculative_config"]  # not modified in place
+    # install() refuses a worker whose contract it does not know, before patching anything.
+    history = fill_history(*random_draft(1, 2, 2, seed=1))
+    mods, original, _ = _fake_trtllm(monkeypatch, history=history, verify_length=2)
+    mods["tensorrt_llm._torch.speculative.eagle3_dynamic_tree"].Eagle3OneModelDynamicTreeWorker = Unknown
+    with pytest.raises(RuntimeError, match="reads neither"):
+        install(WorkerSettings(policy="eagle3"))
+    assert mods["tensorrt_llm._torch.speculative.utils"].get_spec_worker is original

@@ -12,6 +12,7 @@ schema.py):
 - `_torch/speculative/__init__.py` re-exports it and `_torch/models/
   modeling_speculative.py` imports it by name (the two places install() rebinds);
 - `_torch/speculative/eagle3_dynamic_tree.py` only when with_dynamic_tree (absent on 1.2.x);
+- `executor/worker.py`: `worker_main(spec)`, what a spawned worker runs (builds the worker);
 - `LLM(**args)`: builds the worker as `GenerationExecutor.create` would for one GPU:
   in this process when TLLM_WORKER_USE_SINGLE_PROCESS=1, otherwise in a freshly
   spawned Python process; `worker_class` records what was built, `args.speculative_config`
@@ -49,6 +50,11 @@ class LLM:
 
     def shutdown(self):
         pass
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
 '''
 
 LLM_UTILS = '''def update_llm_args_with_extra_dict(args, extra):
@@ -73,6 +79,7 @@ class SpecConfig:
         self.use_dynamic_tree = bool(spec.get("use_dynamic_tree"))
         self.dynamic_tree_max_topK = int(spec.get("dynamic_tree_max_topK") or 0)
         self.max_draft_len = spec.get("max_draft_len")
+        self._max_batch_size = 2  # filled from the LLM's max_batch_size (the private contract)
         total = spec.get("max_total_draft_tokens")
         self.max_total_draft_tokens = {force_linear} and self.max_draft_len or total
 {effective}
@@ -102,12 +109,22 @@ from .eagle3 import Eagle3OneModelWorker
 class Eagle3OneModelDynamicTreeWorker(Eagle3OneModelWorker):
     def __init__(self, spec_config, mapping, use_separate_draft_kv_cache=False):
         super().__init__(spec_config, mapping, use_separate_draft_kv_cache)
+        self._max_batch_size = spec_config._max_batch_size
         K, D = spec_config.dynamic_tree_max_topK, spec_config.max_draft_len
         self.K, self.max_draft_len = K, D
         self.max_total_draft_tokens = spec_config.max_total_draft_tokens
         self.history_draft_tokens_buffer = torch.zeros(2, K + K * K * (D - 1), dtype=torch.int32)
         self.history_score_buffer = torch.zeros(2, K + K * K * (D - 1), dtype=torch.float32)
         self.history_draft_tokens_parent_buffer = torch.zeros(2, max(K * (D - 1) + 1, K + 1), dtype=torch.int64)
+'''
+
+
+WORKER_MAIN = '''def worker_main(spec):
+    """What a spawned TensorRT-LLM worker runs (executor/worker.py): it builds the model, here only the
+    speculative worker, and reports its class."""
+    from tensorrt_llm import _config
+    from tensorrt_llm._torch.models.modeling_speculative import get_spec_worker
+    return type(get_spec_worker(_config(spec), None, "mapping")).__name__
 '''
 
 
@@ -127,6 +144,8 @@ def write_standin(root: Path, version: str = "1.3.0rc9", with_dynamic_tree: bool
             predicate="_is_effective_dynamic_tree(spec_config)" if effective_helper else "spec_config.use_dynamic_tree"),
         "_torch/models/__init__.py": "",
         "_torch/models/modeling_speculative.py": "from ..speculative import get_spec_worker\n",
+        "executor/__init__.py": "",
+        "executor/worker.py": WORKER_MAIN,
     }
     if with_dynamic_tree:
         files["_torch/speculative/eagle3_dynamic_tree.py"] = DYNAMIC_TREE

@@ -37,13 +37,14 @@ def test_pytorch_fallback_arguments_mirror_the_engine_dir(engine_dir):
 
 def test_worker_policy_degrades_expert_aware_policies(engine_dir, caplog):
     spec = load_engine_spec(engine_dir)
-    assert trtllm_worker_policy(spec) == "eagle3"
+    assert trtllm_worker_policy(spec, engine_dir) == "eagle3"
     joint = dataclasses.replace(spec, policy="joint")
     with caplog.at_level(logging.WARNING):
-        assert trtllm_worker_policy(joint) == "eagle3"  # no cost profile in a dry run
+        assert trtllm_worker_policy(joint, engine_dir) == "eagle3"  # no cost profile in a dry run
     assert "cannot run inside the TensorRT-LLM worker" in caplog.text
+    # A cost profile that is named but not there does not count (the worker would fail to load it).
     profiled = dataclasses.replace(spec, policy="joint", cost_profile="cost_profile.json")
-    assert trtllm_worker_policy(profiled) == "evict"
+    assert trtllm_worker_policy(profiled, engine_dir) == "eagle3"
 
 
 def test_acceptance_stats_from_trtllm_counters():
@@ -85,7 +86,7 @@ def test_executor_fallback_end_to_end_on_moespec_tiny(tmp_path):
               tree=TreeConfig(steps=4, topk=8, max_draft_tokens=8), device="cpu", dtype="float32")
     want = ref.generate(["def add(a, b):"], params)[0]
     assert list(got.token_ids) == list(want.token_ids)  # greedy speculative == plain decoding
-    assert got.stats.mean_accepted_tokens >= 1.0
+    assert got.stats.mean_accepted_tokens > 1  # eagle3 on its trained drafter: drafts were accepted
 
 
 @pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))

@@ -41,12 +41,75 @@ def _env(standin, **extra):
 
 def test_prepare_process_model_rules():
     env = {}
-    assert prepare_process_model(1, 1, env) == "single-process" and env[SINGLE_PROCESS_ENV] == "1"
-    assert prepare_process_model(2, 2, {}) == "mpi-ranks"
-    with pytest.raises(ValueError, match="mpirun -n 2"):
-        prepare_process_model(1, 2, {})
+    assert prepare_process_model(1, 1, "tree", env) == "single-process" and env[SINGLE_PROCESS_ENV] == "1"
+    assert prepare_process_model(2, 2, "tree", {}) == "mpi-ranks"
+    assert prepare_process_model(1, 2, "tree", {}) == "spawned-workers"  # reached through reaching_pool_session
+    with pytest.raises(ValueError, match="needs tp\\*pp = 2"):
+        prepare_process_model(4, 2, "tree", {})
     with pytest.raises(ValueError, match="never installs"):
-        prepare_process_model(1, 1, {SINGLE_PROCESS_ENV: "0"})
+        prepare_process_model(1, 1, "tree", {SINGLE_PROCESS_ENV: "0"})
+
+
+def test_chain_engines_need_no_mpirun_and_record_the_range_they_need(tmp_path):
+    """F14: a chain engine runs TensorRT-LLM's own linear worker, so TensorRT-LLM may spawn its workers;
+    it runs on 1.2.x and on the tree line alike, and says so."""
+    from trtllm_moespec.backends.trtllm.config import load_engine_spec
+    from trtllm_moespec.backends.trtllm.version import check_engine_mode, check_version_range
+
+    env = {}
+    assert prepare_process_model(1, 2, "chain", env) == "trtllm-managed" and env == {}
+    assert prepare_process_model(1, 1, "chain", env) == "trtllm-managed" and env == {}
+    spec = load_engine_spec(_engine(tmp_path, tp=2, line="1.2", name="chain"))
+    assert spec.mode == "chain" and spec.versions["tensorrt_llm_range"] == ">=1.2.0,<2.0.0"
+    for version, module in (("1.2.1", False), ("1.3.0rc4", False), ("1.3.2", True)):
+        check_version_range(check_engine_mode("chain", version, module), spec.versions["tensorrt_llm_range"])
+
+
+RUN_PICKLED = "import pickle, sys; f, a, k = pickle.loads(sys.stdin.buffer.read()); print(f(*a, **k))"
+
+
+class _PoolSession:
+    """TensorRT-LLM's MpiPoolSession contract: submit(task, *args, **kwargs) runs the task in each of
+    n_workers spawned interpreters. Here: one fresh interpreter per worker, the call pickled as mpi4py does."""
+
+    def __init__(self, n_workers, env=None):
+        self.n_workers, self.env = n_workers, env
+
+    def submit(self, task, *args, **kwargs):
+        import pickle
+
+        payload = pickle.dumps((task, args, kwargs))
+        runs = [subprocess.run([sys.executable, "-c", RUN_PICKLED], input=payload, capture_output=True,
+                               timeout=180, env=self.env) for _ in range(self.n_workers)]
+        return [subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode()) for r in runs]
+
+    def submit_sync(self, task, *args, **kwargs):
+        return self.submit(task, *args, **kwargs)
+
+
+def test_workers_tensorrt_llm_spawns_build_our_worker(tmp_path):
+    """Several GPUs without mpirun (one Triton server): TensorRT-LLM spawns the workers and submits its
+    worker_main to them; through the session we hand it, each first installs the MoESpec worker."""
+    from trtllm_moespec.backends.trtllm.reach import reaching_session_class
+
+    standin = write_standin(tmp_path / "site")
+    engine = _engine(tmp_path, tp=2)
+    spec = {"eagle3_one_model": True, "use_dynamic_tree": True, "dynamic_tree_max_topK": 8, "max_draft_len": 4,
+            "max_total_draft_tokens": 16}
+    sys.path.insert(0, str(standin))
+    try:
+        from tensorrt_llm.executor.worker import worker_main  # the stand-in's: pickled by reference
+
+        plain = _PoolSession(2, env=_env(standin)).submit(worker_main, spec)
+        ours = reaching_session_class(_PoolSession)(2, str(engine), {"MOESPEC_TEST": "1"}, env=_env(standin))
+        runs = ours.submit(worker_main, spec)
+    finally:
+        sys.path.remove(str(standin))
+        for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+            del sys.modules[name]
+    assert [r.stdout.strip() for r in plain] == ["Eagle3OneModelDynamicTreeWorker"] * 2  # what F6 was about
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["MoESpecDynamicTreeWorker"] * 2
 
 
 EXECUTOR_SCRIPT = """

@@ -126,58 +126,95 @@ class _PytorchBackend:
         pass
 
 
-class _TrtllmBackend:  # runs only where tensorrt_llm is installed (GPU machines)
-    def __init__(self, spec: EngineSpec, engine_dir: Path, profile: int | None, mpi_session: Any = None,
-                 world_size: int = 1):
-        import yaml
-        from tensorrt_llm import LLM
-        from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+class TrtllmRunner:
+    """Requests on a built `tensorrt_llm.LLM` through `generate_async`, so that concurrent calls (the Triton
+    model's request threads) share TensorRT-LLM's in-flight batch, and streams are token by token.
 
-        from ..backends.trtllm.reach import install_for_engine, prepare_process_model
-        from ..backends.trtllm.version import check_effective_draft_tokens
+    `generate_async(prompt, sampling_params, streaming)` returns a `GenerationResult`: `result()` waits for
+    it, and iterating it yields it once per new response (tensorrt_llm/executor/result.py @
+    a678b91aafbeff265cd0b764abb59d7def624ac2), its `outputs[0].text` / `token_ids` cumulative. TensorRT-LLM's
+    own llmapi Triton model serves requests the same way (generate_async, one task per request:
+    triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @ 044a90d209e380c95e23e8ae42f3583fa05ada78).
+    """
 
-        if spec.checkpoint is None:
-            raise ValueError(f"{engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
-        prepare_process_model(world_size, spec.parallel.world_size)
-        install_for_engine(spec, engine_dir)
-        if spec.mode == "chain":
-            log.warning("chain mode: TensorRT-LLM verifies the whole linear draft of the chosen profile")
-        chosen = spec.profiles[-1] if profile is None else spec.profile(profile)
-        options_path = spec.llm_api_options if profile is None else chosen.options_yaml
-        options = yaml.safe_load((engine_dir / options_path).read_text())
-        args = update_llm_args_with_extra_dict({"model": spec.checkpoint}, options)
-        if mpi_session is not None:
-            args["_mpi_session"] = mpi_session
-        self.llm = LLM(**args)
-        effective = getattr(getattr(self.llm, "args", None), "speculative_config", None)
-        if effective is None:
-            log.warning("cannot read the LLM's effective speculative_config; draft sizes not checked")
-        else:
-            check_effective_draft_tokens(effective, chosen.verify_length, chosen.max_draft_len)
+    batched = True  # concurrent callers share TensorRT-LLM's in-flight batch
+
+    def __init__(self, llm: Any, sampling_params_cls: Any):
+        self.llm, self._params_cls = llm, sampling_params_cls
+
+    def _params(self, params: Any) -> Any:
+        return self._params_cls(**trtllm_sampling_kwargs(params))
 
     def generate(self, prompts: Sequence[str], params: Any) -> list[ExecutorOutput]:
-        from tensorrt_llm import SamplingParams as TrtllmSamplingParams
-
-        trt_params = TrtllmSamplingParams(**trtllm_sampling_kwargs(params))
-        outputs = []
-        for result in self.llm.generate(list(prompts), trt_params):
-            completion = result.outputs[0]
-            spec_metrics = getattr(getattr(completion, "request_perf_metrics", None), "speculative_decoding", None)
-            accepted = getattr(spec_metrics, "total_accepted_draft_tokens", 0) or 0
-            drafted = getattr(spec_metrics, "total_draft_tokens", 0) or 0
-            ids = list(completion.token_ids)
-            outputs.append(ExecutorOutput(completion.text, ids, acceptance_stats(len(ids), accepted, drafted)))
-        return outputs
+        trt_params = self._params(params)
+        pending = [self.llm.generate_async(p, trt_params, streaming=False) for p in prompts]  # all in flight at once
+        return [_executor_output(result.result().outputs[0]) for result in pending]
 
     def stream(self, prompt: str, params: Any) -> Iterator[Any]:
-        """One final event (token streaming through TensorRT-LLM's async API is not wired yet)."""
+        """Events with the text (and token ids) each TensorRT-LLM response adds; the last carries the output."""
         from ..api import StreamEvent
 
-        (output,) = self.generate([prompt], params)
-        yield StreamEvent(output.token_ids, output.text, output)
+        result = self.llm.generate_async(prompt, self._params(params), streaming=True)
+        text_len = ids_len = 0
+        completion = None
+        for update in result:
+            completion = update.outputs[0]
+            text, ids = completion.text, list(completion.token_ids)
+            if update.finished:
+                break
+            if len(text) > text_len or len(ids) > ids_len:
+                yield StreamEvent(ids[ids_len:], text[text_len:])
+                text_len, ids_len = len(text), len(ids)
+        if completion is None:
+            raise RuntimeError("TensorRT-LLM ended the stream without a response")
+        ids = list(completion.token_ids)
+        yield StreamEvent(ids[ids_len:], completion.text[text_len:], _executor_output(completion))
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def _executor_output(completion: Any) -> ExecutorOutput:
+    spec_metrics = getattr(getattr(completion, "request_perf_metrics", None), "speculative_decoding", None)
+    accepted = getattr(spec_metrics, "total_accepted_draft_tokens", 0) or 0
+    drafted = getattr(spec_metrics, "total_draft_tokens", 0) or 0
+    ids = list(completion.token_ids)
+    return ExecutorOutput(completion.text, ids, acceptance_stats(len(ids), accepted, drafted))
+
+
+def _trtllm_backend(spec: EngineSpec, engine_dir: Path, profile: int | None, mpi_session: Any = None,
+                    world_size: int = 1) -> TrtllmRunner:  # runs only where tensorrt_llm is installed (GPU machines)
+    import yaml
+    from tensorrt_llm import LLM
+    from tensorrt_llm import SamplingParams as TrtllmSamplingParams
+    from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+
+    from ..backends.trtllm.reach import install_for_engine, options_for_installed, prepare_process_model
+    from ..backends.trtllm.version import check_effective_draft_tokens
+
+    if spec.checkpoint is None:
+        raise ValueError(f"{engine_dir}/moespec.json has no target checkpoint; rebuild with --checkpoint")
+    process_model = prepare_process_model(world_size, spec.parallel.world_size, spec.mode)
+    install_for_engine(spec, engine_dir)
+    if process_model == "spawned-workers" and mpi_session is None:  # TensorRT-LLM spawns them: reach them too
+        from ..backends.trtllm.reach import reaching_pool_session
+
+        mpi_session = reaching_pool_session(spec.parallel.world_size, engine_dir)
+    if spec.mode == "chain":
+        log.warning("chain mode: TensorRT-LLM verifies the whole linear draft of the chosen profile")
+    chosen = spec.profiles[-1] if profile is None else spec.profile(profile)
+    options_path = spec.llm_api_options if profile is None else chosen.options_yaml
+    options = options_for_installed(yaml.safe_load((engine_dir / options_path).read_text()), spec.mode)
+    args = update_llm_args_with_extra_dict({"model": spec.checkpoint}, options)
+    if mpi_session is not None:
+        args["_mpi_session"] = mpi_session
+    llm = LLM(**args)
+    effective = getattr(getattr(llm, "args", None), "speculative_config", None)
+    if effective is None:
+        log.warning("cannot read the LLM's effective speculative_config; draft sizes not checked")
+    else:
+        check_effective_draft_tokens(effective, chosen.verify_length, chosen.max_draft_len)
+    return TrtllmRunner(llm, TrtllmSamplingParams)
 
 
 class Executor:
@@ -196,7 +233,7 @@ class Executor:
         if self.backend == "tensorrt_llm":
             log.warning("MoESpec executor: running %s on TensorRT-LLM (policy %s, %s mode)",
                         self.engine_dir, self.spec.policy, self.spec.mode)
-            self._impl: ExecutorBackend = _TrtllmBackend(self.spec, self.engine_dir, profile, mpi_session, world_size)
+            self._impl: ExecutorBackend = _trtllm_backend(self.spec, self.engine_dir, profile, mpi_session, world_size)
         else:
             log.warning("MoESpec executor: tensorrt_llm is not available; running %s on the PyTorch engine "
                         "(trtllm_moespec.LLM, policy %s, device %s)", self.engine_dir, self.spec.policy, device or "cpu")
@@ -231,7 +268,7 @@ class Executor:
 
 def trtllm_sampling_kwargs(params: Any) -> dict:
     """Our SamplingParams -> keywords of TensorRT-LLM's `SamplingParams` (tensorrt_llm/sampling_params.py
-    @ 000a01de), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
+    @ a98a9061d72f6fd39f5d055ebdd2c6878a100e2c), where None means the C++ runtime's default: top_k 0 (off), repetition penalty 1,
     presence and frequency penalties 0, min_p 0, min_tokens 1. Values at their "off" value go as None;
     `stop`, `include_stop_str_in_output`, `ignore_eos` and `skip_special_tokens` have keywords of the same
     names and meaning, and `bad_words` is its `bad` ("strings that redirect the generation"). A logit

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from ..backends.trtllm.config import EngineSpec, load_engine_spec
+from ..backends.trtllm.reach import leader_mpi_session, mpi_rank_and_size, serve_mpi_worker
 from ..backends.trtllm.version import trtllm_available
 from .executor import choose_backend
-
-_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 @dataclass(frozen=True)
@@ -35,20 +32,6 @@ class LaunchPlan:
     backend: str  # "tensorrt_llm" | "pytorch"
     role: str  # "leader" (runs generate), "worker" (serves the leader), "exit" (nothing to do)
     message: str  # one line saying what this rank does
-
-
-def mpi_rank_and_size() -> tuple[int, int]:
-    """(rank, world size) from the launcher's env vars, else mpi4py, else (0, 1). The env comes first so
-    that nothing initialises MPI before the PyTorch expert-parallel path forks its rank supervisor."""
-    if any(k in os.environ for k in _SIZE_ENV):
-        rank = next((int(os.environ[k]) for k in _RANK_ENV if k in os.environ), 0)
-        return rank, next(int(os.environ[k]) for k in _SIZE_ENV if k in os.environ)
-    try:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    except ImportError:
-        return 0, 1
 
 
 def launch_plan(spec: EngineSpec, rank: int, world_size: int, backend: str) -> LaunchPlan:
@@ -101,29 +84,11 @@ def install_on_rank(spec: EngineSpec, engine_dir: str, rank: int) -> str:
     return f"rank {rank}: worker class {installed_worker_name(PlannedSpecConfig(options))}"
 
 
-def _serve_as_trtllm_worker() -> None:  # GPU machines only
-    from mpi4py.futures import MPICommExecutor
-    from mpi4py.MPI import COMM_WORLD
-
-    with MPICommExecutor(COMM_WORLD) as executor:
-        if executor is not None:
-            raise RuntimeError(f"rank {COMM_WORLD.Get_rank()} unexpectedly became the MPI executor root")
-
-
-def _trtllm_mpi_session(world_size: int):  # GPU machines only
-    if world_size == 1:
-        return None
-    from mpi4py.MPI import COMM_WORLD
-    from tensorrt_llm.llmapi import MpiCommSession
-
-    return MpiCommSession(comm=COMM_WORLD, n_workers=world_size)
-
-
 def _run_leader(args: argparse.Namespace, backend: str, world_size: int, ep=None) -> int:
     from .. import SamplingParams
     from .executor import Executor
 
-    session = _trtllm_mpi_session(world_size) if backend == "tensorrt_llm" else None
+    session = leader_mpi_session(world_size) if backend == "tensorrt_llm" else None
     executor = Executor(args.engine_dir, backend, device=args.device, dtype=args.dtype, mpi_session=session,
                         world_size=world_size, ep=ep)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -177,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rank {rank}: error: {e}", file=sys.stderr)
             return 2
     if plan.role == "worker":
-        _serve_as_trtllm_worker()
+        serve_mpi_worker()
         return 0
     return _run_leader(args, backend, world_size)
 

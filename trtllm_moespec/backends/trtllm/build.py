@@ -14,6 +14,7 @@ exits with code 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
@@ -39,7 +40,8 @@ from .config import (
 )
 from .presets import PRESETS, ModelPreset, TreeDefaults, check_checkpoint_matches, load_hf_config, resolve_model
 from .selection import EAGER_POLICIES
-from .version import TRTLLM_LINES, line_range, trtllm_available
+from .schema import MOE_BACKENDS
+from .version import TRTLLM_LINES, UnsupportedTensorRTLLMVersion, engine_range, trtllm_available
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_TRTLLM = 1
@@ -67,6 +69,9 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--trtllm-line", default="dynamic-tree", choices=sorted(TRTLLM_LINES),
                         help="TensorRT-LLM line to target: 'dynamic-tree' (a release or commit with PR #13081: tree "
                              "profiles, our selection inside TensorRT-LLM) or '1.2' (1.2.x: linear EAGLE-3 profiles)")
+    parser.add_argument("--moe-backend", default=None, choices=MOE_BACKENDS,
+                        help="TensorRT-LLM moe_config.backend (default: TensorRT-LLM's choice); e.g. TRITON for "
+                             "GPT-OSS on Hopper")
     parser.add_argument("--out", required=True, help="engine directory to write")
     parser.add_argument("--dry-run", action="store_true", help="write the configuration only; no TensorRT-LLM, no profiling")
     return parser
@@ -103,18 +108,29 @@ def _resolve_inputs(args: argparse.Namespace) -> tuple[ModelPreset, str | None, 
 
 
 def check_drafter_fits(preset: ModelPreset, draft: str) -> None:
-    """BuildError unless `draft` is an EAGLE-3 drafter for this target (architecture, width, vocabulary).
+    """BuildError unless `draft` is an EAGLE-3 drafter for this target (architecture, width, vocabulary,
+    pre-norm hidden states).
 
     The drafter's fc reads 3 * target_hidden_size features and its embedding is the
     target's vocabulary; a drafter of another width (or the target directory itself)
-    would fail only on the GPUs.
+    would fail only on the GPUs. A drafter whose config asks TensorRT-LLM to hand on its
+    post-norm hidden state (`eagle_config.return_hidden_post_norm`, or `norm_output`:
+    `Eagle3DraftModel`, tensorrt_llm/_torch/models/modeling_speculative.py @
+    00679c66c3e38f6d2651ad0a5bef0f94d862e36c, then returns (hidden, hidden) instead of
+    (post-norm, pre-norm)) feeds back another state than the one our draft-head expert
+    predictor and our PyTorch drafter use (pre-norm), so it is refused.
     """
     from ...models.eagle3 import Eagle3Config
 
+    raw = load_hf_config(draft)
     try:
-        cfg = Eagle3Config.from_dict(load_hf_config(draft))
+        cfg = Eagle3Config.from_dict(raw)
     except (ValueError, KeyError, TypeError) as e:
         raise BuildError(f"draft model {draft}: {e}") from None
+    eagle_config = raw.get("eagle_config") or {}
+    if (isinstance(eagle_config, dict) and eagle_config.get("return_hidden_post_norm")) or raw.get("norm_output"):
+        raise BuildError(f"draft model {draft} returns post-norm hidden states (eagle_config.return_hidden_post_norm or "
+                         "norm_output); the expert predictor head and the PyTorch drafter need pre-norm ones")
     if cfg.target_hidden_size != preset.hidden_size:
         raise BuildError(f"draft model {draft} was made for a target of hidden size {cfg.target_hidden_size} "
                          f"(target_hidden_size, or hidden_size when absent); {preset.name} has {preset.hidden_size}")
@@ -125,6 +141,10 @@ def check_drafter_fits(preset: ModelPreset, draft: str) -> None:
 def plan_engine(args: argparse.Namespace) -> EngineSpec:
     """Validate the arguments and compute everything the engine directory records."""
     preset, checkpoint, draft, tree = _resolve_inputs(args)
+    if preset.architecture == "GptOssForCausalLM" and args.pp > 1:
+        # GptOssForCausalLM.__init__ asserts mapping.pp_size == 1 (tensorrt_llm/_torch/models/modeling_gpt_oss.py
+        # @ 7924c7f1d3b4a3286b62c13fc890900295dc39cb): refuse here, not as an assertion on every GPU rank.
+        raise BuildError(f"--pp {args.pp}: TensorRT-LLM's GPT-OSS does not support pipeline parallelism (pp must be 1)")
     parallel = check_parallel(args.tp or preset.recommended_tp, args.pp, args.ep or preset.recommended_ep, preset.num_experts)
     lengths = parse_verify_lengths(args.verify_lengths, tree.max_draft_tokens)
     mode = draft_mode(preset, tree, args.trtllm_line)
@@ -146,10 +166,11 @@ def plan_engine(args: argparse.Namespace) -> EngineSpec:
         cost_profile=None,
         predictor=str(Path(args.predictor).resolve()) if args.predictor else None,
         dtype=preset.dtype,
-        versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": line_range(args.trtllm_line),
+        versions={"trtllm_moespec": MOESPEC_VERSION, "tensorrt_llm_range": engine_range(mode),
                   "tensorrt_llm": None},
         dry_run=bool(args.dry_run),
         max_seq_len=args.max_seq_len,
+        moe_backend=args.moe_backend,
     )
 
 
@@ -157,7 +178,7 @@ def profile_options(spec: EngineSpec, profile: VerifyProfile) -> dict:
     """The extra_llm_api_options mapping of one profile (validated)."""
     return llm_api_options(spec.model, spec.tree, spec.parallel, profile, draft_dir=spec.draft_model, mode=spec.mode,
                            max_batch_size=spec.max_batch_size, max_seq_len=spec.max_seq_len,
-                           cuda_graphs=spec.policy not in EAGER_POLICIES)
+                           cuda_graphs=spec.policy not in EAGER_POLICIES, moe_backend=spec.moe_backend)
 
 
 def engine_readme(spec: EngineSpec, command: str) -> str:
@@ -251,10 +272,33 @@ def build_engine(args: argparse.Namespace) -> int:
         print("moespec build: error: tensorrt_llm is not importable here (it needs a CUDA GPU machine); "
               "rerun with --dry-run to write the configuration only", file=sys.stderr)
         return EXIT_NO_TRTLLM
-    from .profile import profile_engine  # GPU path; imports tensorrt_llm
+    return _profile_build(spec, out, command)
 
+
+def _profile_build(spec: EngineSpec, out: Path, command: str) -> int:  # GPU machines (imports tensorrt_llm)
+    """The real build: check the installed TensorRT-LLM, then write and profile (rank 0; other ranks serve it)."""
+    from .profile import _trtllm_measure, prepare_profiling_process, profile_engine
+    from .reach import leader_mpi_session, mpi_rank_and_size, serve_mpi_worker
+    from .version import check_installed
+
+    try:  # before anything is written: the installed version must run this engine's mode and range
+        version = check_installed(spec.mode, spec.versions["tensorrt_llm_range"])
+    except UnsupportedTensorRTLLMVersion as e:
+        print(f"moespec build: error: {e}", file=sys.stderr)
+        return EXIT_NO_TRTLLM
+    rank, world_size = mpi_rank_and_size()
+    try:
+        prepare_profiling_process(spec, world_size)
+    except ValueError as e:
+        print(f"moespec build: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if rank != 0:
+        serve_mpi_worker()
+        return 0
+    session = leader_mpi_session(world_size)
+    measure = functools.partial(_trtllm_measure, mpi_session=session) if session is not None else None
     write_engine_dir(spec, out, command)
-    spec = profile_engine(spec, out)
+    spec = profile_engine(spec, out, measure=measure, version=version, world_size=world_size)
     write_engine_dir(spec, out, command)
     print(f"wrote {out} with {COST_PROFILE_JSON}")
     return 0

@@ -144,12 +144,12 @@ def speculative_config(
         "max_draft_len": profile.max_draft_len,
         "max_total_draft_tokens": profile.verify_length,
         "eagle3_layers_to_capture": preset.trtllm_layers_to_capture,
-        # Exact-match verification for sampled requests (the default in llm_args.py @ 00043967): the MoESpec
-        # worker's copies (padding.py) are never accepted there, but would be by the rejection kernel.
-        "use_rejection_sampling": False,
     }
     if mode == "tree":
-        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=tree.topk)
+        # Exact-match verification for sampled requests (the default in llm_args.py @
+        # 0004396720054fd8e205cbf616f21f0b57c6b412): the MoESpec worker's copies (padding.py) are never accepted
+        # there, but would be by the dynamic-tree rejection kernel.
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=tree.topk, use_rejection_sampling=False)
     else:
         spec.update(use_dynamic_tree=False)
     return spec
@@ -167,10 +167,12 @@ def llm_api_options(
     max_seq_len: int | None = None,
     free_gpu_memory_fraction: float = 0.85,
     cuda_graphs: bool = True,
+    moe_backend: str | None = None,
 ) -> dict[str, Any]:
     """One extra_llm_api_options mapping, validated against schema.py.
 
-    cuda_graphs=False writes `cuda_graph_config: null` (policies that select eagerly).
+    cuda_graphs=False writes `cuda_graph_config: null` (policies that select eagerly); moe_backend sets
+    `moe_config.backend` (None: TensorRT-LLM's default).
     """
     graph_sizes = cuda_graph_batch_sizes(max_batch_size)
     graphs = {"batch_sizes": graph_sizes, "max_batch_size": max(graph_sizes), "enable_padding": True}
@@ -188,8 +190,25 @@ def llm_api_options(
     }
     if max_seq_len is not None:
         options["max_seq_len"] = max_seq_len
+    if moe_backend is not None:
+        options["moe_config"] = {"backend": moe_backend}
     validate_llm_api_options(options)
     return options
+
+
+def with_batch_contract(options: dict[str, Any], contract: str) -> dict[str, Any]:
+    """The options a dynamic-tree worker of `contract` (worker.BATCH_CONTRACTS) can be built from.
+
+    'public': its constructor reads speculative_config.max_batch_size and raises without it, so the
+    engine's max_batch_size is copied there; 'private': TensorRT-LLM fills it, the options stay as
+    they are (a public field would be an unknown key there).
+    """
+    if contract == "private":
+        return options
+    if contract != "public":
+        raise ValueError(f"unknown batch-size contract {contract!r}")
+    spec = dict(options["speculative_config"], max_batch_size=options["max_batch_size"])
+    return {**options, "speculative_config": spec}
 
 
 @dataclass(frozen=True)
@@ -212,6 +231,7 @@ class EngineSpec:
     versions: dict[str, str | None]  # trtllm_moespec, tensorrt_llm_range, tensorrt_llm (None if not used)
     dry_run: bool
     max_seq_len: int | None = None
+    moe_backend: str | None = None  # moe_config.backend, None = TensorRT-LLM's default
     format_version: int = ENGINE_FORMAT_VERSION
 
     def profile(self, verify_length: int) -> VerifyProfile:
@@ -231,7 +251,7 @@ class EngineSpec:
         if data.get("format_version") != ENGINE_FORMAT_VERSION:
             raise ValueError(f"moespec.json format_version {data.get('format_version')!r} is not {ENGINE_FORMAT_VERSION}")
         known = set(EngineSpec.__dataclass_fields__)
-        missing = known - set(data) - {"max_seq_len"}
+        missing = known - set(data) - {"max_seq_len", "moe_backend"}
         if missing:
             raise ValueError(f"moespec.json lacks {sorted(missing)}")
         fields = {k: v for k, v in data.items() if k in known}

@@ -77,6 +77,7 @@ from typing import Any, Mapping
 CHAIN_LINE_MIN, CHAIN_LINE_MAX = "1.2.0", "1.3.0.dev0"  # 1.2.x: linear EAGLE-3 only (1.3 pre-releases excluded)
 TREE_LINE_MIN, TREE_LINE_MAX = "1.3.0.dev0", "2.0.0"  # needs DYNAMIC_TREE_MODULE too (PR #13081)
 CHAIN_LINE_RANGE = f">={CHAIN_LINE_MIN},<{CHAIN_LINE_MAX}"
+CHAIN_ENGINE_RANGE = f">={CHAIN_LINE_MIN},<{TREE_LINE_MAX}"  # linear EAGLE-3 runs on both lines
 TREE_LINE_RANGE = f">={TREE_LINE_MIN},<{TREE_LINE_MAX}"
 DYNAMIC_TREE_MODULE = "tensorrt_llm._torch.speculative.eagle3_dynamic_tree"
 
@@ -110,6 +111,9 @@ SPECULATIVE_CONFIG_FIELDS = frozenset(
         "max_non_leaves_per_layer",
         "eagle3_one_model",
         "eagle3_layers_to_capture",
+        # Only for the dynamic-tree worker of eagle3_dynamic_tree.py @ 470bb72055d5d397c60be4dda1e8f490e7002440, which
+        # reads it from the speculative config (config.with_batch_contract adds it at run time, never in the YAML).
+        "max_batch_size",
     }
 )
 EAGLE3_DECODING_TYPE = "Eagle3"
@@ -134,8 +138,14 @@ LLM_ARGS_FIELDS = frozenset(
         "cuda_graph_config",
         "speculative_config",
         "disable_overlap_scheduler",
+        "moe_config",
     }
 )
+
+# MoeConfig (llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412): `backend` is one of these (default "AUTO").
+MOE_CONFIG_FIELDS = frozenset({"backend"})
+MOE_BACKENDS = ("AUTO", "CUTLASS", "CUTEDSL", "TRTLLM", "DEEPGEMM", "DENSEGEMM", "VANILLA", "TRITON", "MARLIN",
+                "MEGAMOE_DEEPGEMM", "MEGAMOE_CUTEDSL")
 
 # Triton llmapi model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @ 0a710573):
 # request inputs and outputs we mirror.
@@ -211,6 +221,10 @@ def validate_llm_api_options(options: Mapping[str, Any]) -> None:
         validate_cuda_graph_config(options["cuda_graph_config"])
     if "kv_cache_config" in options:
         _check_keys("kv_cache_config", options["kv_cache_config"], KV_CACHE_CONFIG_FIELDS)
+    if "moe_config" in options:
+        _check_keys("moe_config", options["moe_config"], MOE_CONFIG_FIELDS)
+        if options["moe_config"].get("backend") not in MOE_BACKENDS:
+            raise ValueError(f"moe_config.backend {options['moe_config'].get('backend')!r} is not one of {MOE_BACKENDS}")
     tp = options.get("tensor_parallel_size", 1)
     ep = options.get("moe_expert_parallel_size")
     moe_tp = options.get("moe_tensor_parallel_size")

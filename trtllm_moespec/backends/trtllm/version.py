@@ -5,8 +5,12 @@ Two lines of TensorRT-LLM exist for us (what was read is in schema.py):
 | tensorrt_llm | draft mode | MoESpec selection inside TensorRT-LLM |
 |---|---|---|
 | 1.2.x (`>=1.2.0,<1.3.0.dev0`) | "chain": linear EAGLE-3, one `max_draft_len` per profile | none (TensorRT-LLM verifies the chain) |
-| `>=1.3.0.dev0,<2` **and** the module `eagle3_dynamic_tree` present (a release or pinned commit containing PR #13081) | "tree": EAGLE-3 dynamic tree | `MoESpecDynamicTreeWorker` |
+| `>=1.3.0.dev0,<2` **and** the module `eagle3_dynamic_tree` present (a release or pinned commit containing PR #13081) | "tree": EAGLE-3 dynamic tree (and chain) | `MoESpecDynamicTreeWorker` |
+| `>=1.3.0.dev0,<2` without that module | "chain" only | none |
 | anything else | refused with one error naming the version | |
+
+Chain engines therefore record `>=1.2.0,<2.0.0`, tree engines `>=1.3.0.dev0,<2.0.0`
+(`engine_range`); `moespec build` checks the installed version against it before writing.
 
 Why: `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` first landed on main in
 PR #12062 (2026-03-10), was reverted (#13006) and re-landed (#13081, 2026-04-15), after
@@ -25,10 +29,11 @@ import importlib
 import importlib.util
 import sys
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .schema import (CHAIN_LINE_MAX, CHAIN_LINE_MIN, CHAIN_LINE_RANGE, DYNAMIC_TREE_MODULE, TREE_LINE_MAX,
-                     TREE_LINE_MIN, TREE_LINE_RANGE)
+from .schema import (CHAIN_ENGINE_RANGE, CHAIN_LINE_MAX, CHAIN_LINE_MIN, CHAIN_LINE_RANGE, DYNAMIC_TREE_MODULE,
+                     TREE_LINE_MAX, TREE_LINE_MIN, TREE_LINE_RANGE)
 
 DRAFT_MODES = ("tree", "chain")
 # The `--trtllm-line` choices of `moespec build` and the range each one stands for.
@@ -77,22 +82,17 @@ def _parse(version: str) -> Version:
 def supported_mode(version: str, has_dynamic_tree: bool) -> str:
     """The most a tensorrt_llm can run: 'tree' or 'chain'; UnsupportedTensorRTLLMVersion otherwise.
 
-    Pre-releases of 1.2.0 are outside (the 1.2 internals are not guaranteed there);
-    1.3 pre-releases count as the tree line only when the module is present.
+    Pre-releases of 1.2.0 are outside (the 1.2 internals are not guaranteed there); a 1.3
+    build without the dynamic-tree module still runs linear EAGLE-3 (chain engines).
     """
     v = _parse(version)
     if Version(CHAIN_LINE_MIN) <= v < Version(CHAIN_LINE_MAX):
         return "chain"
     if Version(TREE_LINE_MIN) <= v < Version(TREE_LINE_MAX):
-        if not has_dynamic_tree:
-            raise UnsupportedTensorRTLLMVersion(
-                f"tensorrt_llm {version} lacks {DYNAMIC_TREE_MODULE} (PR {DYNAMIC_TREE_PR}); install a release or "
-                f"commit that contains it, or use tensorrt_llm {CHAIN_LINE_RANGE} with an engine built with "
-                "`moespec build --trtllm-line 1.2`")
-        return "tree"
+        return "tree" if has_dynamic_tree else "chain"
     raise UnsupportedTensorRTLLMVersion(
-        f"tensorrt_llm {version} is not supported by trtllm_moespec (chain mode needs {CHAIN_LINE_RANGE}, "
-        f"tree mode {TREE_LINE_RANGE} with {DYNAMIC_TREE_MODULE})")
+        f"tensorrt_llm {version} is not supported by trtllm_moespec (chain engines need {CHAIN_ENGINE_RANGE}, "
+        f"tree engines {TREE_LINE_RANGE} with {DYNAMIC_TREE_MODULE})")
 
 
 def check_engine_mode(engine_mode: str, version: str, has_dynamic_tree: bool) -> str:
@@ -101,6 +101,10 @@ def check_engine_mode(engine_mode: str, version: str, has_dynamic_tree: bool) ->
         raise ValueError(f"unknown draft mode {engine_mode!r}; expected one of {DRAFT_MODES}")
     mode = supported_mode(version, has_dynamic_tree)
     if engine_mode == "tree" and mode != "tree":
+        if _parse(version) >= Version(TREE_LINE_MIN):
+            raise UnsupportedTensorRTLLMVersion(
+                f"tensorrt_llm {version} lacks {DYNAMIC_TREE_MODULE} (PR {DYNAMIC_TREE_PR}); install a release or "
+                f"commit that contains it, or rebuild the engine with `moespec build --trtllm-line 1.2` (chain)")
         raise UnsupportedTensorRTLLMVersion(
             f"this engine drafts an EAGLE-3 dynamic tree, which tensorrt_llm {version} does not have "
             f"(1.2.x forces max_total_draft_tokens = max_draft_len); rebuild it with `moespec build --trtllm-line 1.2` "
@@ -108,9 +112,29 @@ def check_engine_mode(engine_mode: str, version: str, has_dynamic_tree: bool) ->
     return version
 
 
-def check_installed(engine_mode: str) -> str:
-    """check_engine_mode against the installed tensorrt_llm (imports it; GPU machines)."""
-    return check_engine_mode(engine_mode, installed_version(), dynamic_tree_available())
+def engine_range(mode: str) -> str:
+    """The tensorrt_llm versions an engine of `mode` really needs (recorded in moespec.json).
+
+    Chain engines use TensorRT-LLM's own linear EAGLE-3 worker, unmodified: 1.2.x and the tree line
+    both run them. Tree engines need the dynamic-tree module (checked apart, it is not a version).
+    """
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"unknown draft mode {mode!r}; expected one of {DRAFT_MODES}")
+    return TREE_LINE_RANGE if mode == "tree" else CHAIN_ENGINE_RANGE
+
+
+def check_version_range(version: str, version_range: str) -> str:
+    """`version` if it lies in `version_range` (pre-releases included); else UnsupportedTensorRTLLMVersion."""
+    if not SpecifierSet(version_range, prereleases=True).contains(_parse(version), prereleases=True):
+        raise UnsupportedTensorRTLLMVersion(f"tensorrt_llm {version} is outside {version_range}, the range this "
+                                            "engine was built for; install a version in it or rebuild the engine")
+    return version
+
+
+def check_installed(engine_mode: str, version_range: str | None = None) -> str:
+    """check_engine_mode (and the engine's recorded range) against the installed tensorrt_llm (imports it)."""
+    version = check_engine_mode(engine_mode, installed_version(), dynamic_tree_available())
+    return check_version_range(version, version_range) if version_range else version
 
 
 def line_range(line: str) -> str:

@@ -180,6 +180,41 @@ def record_slot_hidden(worker: Any, cur_draft_idx: int, batch_size: int, step0_h
     worker._moespec_slot_hidden[:batch_size, start : start + K].copy_(frontier)
 
 
+BATCH_CONTRACTS = {
+    # eagle3_dynamic_tree.py @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc: `spec_config._max_batch_size`, a private
+    # attribute TensorRT-LLM fills from the LLM's max_batch_size (llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412).
+    "private": "spec_config._max_batch_size",
+    # eagle3_dynamic_tree.py @ 470bb72055d5d397c60be4dda1e8f490e7002440: `spec_config.max_batch_size`, which the
+    # speculative_config itself must carry, else the constructor raises.
+    "public": "spec_config.max_batch_size",
+}
+
+
+def worker_batch_contract(worker_cls: type) -> str:
+    """How the installed dynamic-tree worker learns its batch capacity: 'private' or 'public' (BATCH_CONTRACTS).
+
+    Read from the constructor's source, not inferred from the version: both contracts exist
+    under 1.3 pre-release version strings. RuntimeError when neither is found.
+    """
+    try:
+        source = inspect.getsource(worker_cls.__init__)
+    except (OSError, TypeError) as e:
+        raise RuntimeError(f"cannot read {worker_cls.__name__}.__init__ to check its batch-size contract: {e}") from None
+    for contract, pattern in BATCH_CONTRACTS.items():
+        if pattern in source:
+            return contract
+    raise RuntimeError(f"{worker_cls.__name__}.__init__ reads neither {' nor '.join(BATCH_CONTRACTS.values())}: "
+                       "this tensorrt_llm's dynamic-tree worker is not one trtllm_moespec was written against")
+
+
+def installed_batch_contract() -> str:
+    """worker_batch_contract of the installed tensorrt_llm's dynamic-tree worker (imports it)."""
+    base = getattr(importlib.import_module(DYNAMIC_TREE_MODULE), BASE_WORKER_NAME, None)
+    if base is None:
+        raise RuntimeError(f"tensorrt_llm lacks {DYNAMIC_TREE_MODULE}.{BASE_WORKER_NAME}")
+    return worker_batch_contract(base)
+
+
 def wants_dynamic_tree(spec_config: Any, utils: Any = None) -> bool:
     """Whether TensorRT-LLM builds its dynamic-tree worker for `spec_config`.
 
@@ -243,6 +278,7 @@ def install(settings: WorkerSettings, version: str | None = None, num_experts: i
     current = getattr(utils, WORKER_FACTORY_NAME, None)
     if base is None or current is None:
         raise RuntimeError(f"tensorrt_llm lacks {DYNAMIC_TREE_MODULE}.{BASE_WORKER_NAME} or {SPEC_UTILS_MODULE}.{WORKER_FACTORY_NAME}")
+    worker_batch_contract(base)  # an unknown constructor contract is refused before anything is patched
     original = getattr(current, "__moespec_original__", current)
     worker_cls = make_worker_class(base)
     wrapper = wrap_get_spec_worker(original, worker_cls, settings, utils, num_experts)
