@@ -228,6 +228,7 @@ class Executor:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.engine_dir = Path(engine_dir)
+        self.max_batch_size = max_batch_size  # requests a caller may run at once (the Triton model's thread pool)
         self.spec = load_engine_spec(self.engine_dir)
         self.backend = choose_backend(backend, trtllm_available())
         if self.backend == "tensorrt_llm":

@@ -1,20 +1,27 @@
 """Triton Inference Server python-backend model over the MoESpec Executor.
 
 Tensor names follow TensorRT-LLM's own `llmapi` Triton model
-(triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt): inputs `text_input`,
-`streaming`, `sampling_param_{max_tokens,temperature,top_p,top_k,seed,stop,frequency_penalty,presence_penalty}`
-(config.pbtxt @ 0a710573; it has no repetition penalty);
-outputs `text_output`, `acceptance_rate`, `total_accepted_draft_tokens`,
-`total_draft_tokens`, plus ours: `mean_accepted_tokens`, `verified_tokens`.
-Settings come from `model.yaml` beside the generated `model.py` (engine_dir,
-backend, device, dtype, and the `triton_config` block with max_batch_size and
-decoupled, applied in auto_complete_config as TensorRT-LLM does).
+(triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @ 0a71057313ec0626527e164a8fc0205c5822e2f5):
+inputs `text_input`, `streaming`,
+`sampling_param_{max_tokens,temperature,top_p,top_k,seed,stop,frequency_penalty,presence_penalty}`
+(it has no repetition penalty); outputs `text_output`, `acceptance_rate`,
+`total_accepted_draft_tokens`, `total_draft_tokens`, plus ours: `mean_accepted_tokens`,
+`verified_tokens`. Settings come from `model.yaml` beside the generated `model.py` (engine_dir,
+backend, device, dtype, and the `triton_config` block with max_batch_size and decoupled);
+config.pbtxt carries the same two settings, so the server may run with or without
+auto-complete (`--disable-auto-complete-config`, as TensorRT-LLM's launch scripts pass).
+
+Launch: one `tritonserver` per model repository, as TensorRT-LLM's llmapi model now expects
+(its stub deletes the inherited MPI job variables at import and lets TensorRT-LLM spawn the
+other ranks' workers, model.py @ 044a90d2); ours does the same (`forget_mpi_launch`) and
+refuses to start as one of several mpirun ranks.
 
 Request parsing and response building are plain functions taking the
 `triton_python_backend_utils` module as an argument, so tests run them with a
-stand-in. In decoupled mode a streaming request gets one response per committed
-chunk and then a final one (full text, statistics, final flag); every request is
-answered as soon as it finishes. Inputs are checked by dtype and shape: a wrong dtype,
+stand-in. In decoupled mode execute() returns at once and each request runs on a
+request thread (`generate_async` underneath on TensorRT-LLM, the continuous batch on our
+engine): a streaming request gets one response per committed chunk, then a final one
+(full text, statistics, final flag). Inputs are checked by dtype and shape: a wrong dtype,
 a BYTES scalar, bad UTF-8, NaN or an empty string gets one error response.
 """
 
@@ -207,13 +214,30 @@ def serve_decoupled(pb_utils: Any, request: Any, stream: Callable[[RequestParams
         sender.send(error_response(pb_utils, e), flags=final)
 
 
-def mpi_rank_and_size() -> tuple[int, int]:
-    """(rank, size) of the MPI world Triton was started in (mpi4py when present, else (0, 1))."""
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return 0, 1
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+# MPI job variables a process started by mpirun inherits (TensorRT-LLM's llmapi Triton model deletes the same
+# ones at import: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @ 044a90d209e380c95e23e8ae42f3583fa05ada78).
+MPI_JOB_ENV = frozenset({
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_NODE_RANK", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS", "PMIX_RANK",
+    "PMIX_NAMESPACE", "PMIX_SERVER_URI", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21", "PMIX_SERVER_URI3",
+    "PMIX_SERVER_TMPDIR", "PMIX_SYSTEM_TMPDIR", "PMIX_SECURITY_MODE", "PMIX_GDS_MODULE", "PMIX_BFROPS_MODULE",
+    "PMIX_PTL_MODULE", "PMIX_VERSION", "PMIX_HOSTNAME", "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_SPAWNED", "PMI_APPNUM",
+})
+MPI_JOB_PREFIXES = ("OMPI_MCA_orte_", "ORTE_")
+
+
+def forget_mpi_launch(environ: Any = None) -> int:
+    """Delete inherited MPI job variables, as TensorRT-LLM's llmapi stub does; returns the world size they named.
+
+    The supported launch is one `tritonserver` process: its python-backend stub builds the LLM and TensorRT-LLM
+    spawns the other ranks' workers (the Executor hands it a session that installs our worker there). A stub of a
+    server started under mpirun would otherwise initialise MPI with its parent's job identity.
+    """
+    environ = os.environ if environ is None else environ
+    size = next((int(environ[k]) for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if k in environ), 1)
+    for key in [k for k in environ if k in MPI_JOB_ENV or k.startswith(MPI_JOB_PREFIXES)]:
+        del environ[key]
+    return size
 
 
 def model_config_path(default: str | Path) -> Path:
@@ -245,11 +269,15 @@ def _engine_batch_size(config: dict[str, Any]) -> int:
 def make_triton_model(model_yaml: str | Path) -> type:
     """The TritonPythonModel class for a repository whose model.yaml is `model_yaml`.
 
-    Under mpirun (the Triton server started on every rank, as for TensorRT-LLM's llmapi
-    model) rank 0 builds the Executor with an `MpiCommSession` over COMM_WORLD, and
-    every other rank installs the MoESpec worker and serves `MPICommExecutor`.
+    One tritonserver serves the repository (see forget_mpi_launch): the stub builds the Executor, which on
+    TensorRT-LLM spawns the other GPUs' workers itself. In decoupled mode execute() hands each request to a
+    pool of request threads and returns at once, so requests that arrive later join the ones in flight
+    (TensorRT-LLM's in-flight batch, or our PyTorch engine's continuous batch); each is answered from its
+    thread as it finishes. Without decoupling Triton needs the responses from execute(), which therefore
+    waits for its batch.
     """
     model_yaml = Path(model_yaml)
+    inherited_world = forget_mpi_launch()
 
     class TritonPythonModel:
         @classmethod
@@ -262,21 +290,13 @@ def make_triton_model(model_yaml: str | Path) -> type:
         def initialize(self, args: dict[str, Any]) -> None:
             from .executor import Executor
 
+            if inherited_world > 1:
+                raise ValueError(f"tritonserver was started as one of {inherited_world} MPI ranks: start one "
+                                 "`tritonserver --model-repository ...` (TensorRT-LLM spawns the other GPUs' workers)")
             config = load_model_yaml(model_config_path(model_yaml))
             self.decoupled = bool(config["triton_config"]["decoupled"])
-            rank, size = mpi_rank_and_size()
-            backend = config.get("backend", "auto")
-            self.executor = None
-            if size > 1 and rank != 0:
-                from ..backends.trtllm.version import trtllm_available
-
-                if trtllm_available() and backend != "pytorch":
-                    serve_worker_rank(config["engine_dir"], rank)
-                return  # the PyTorch engine runs on rank 0 only
-            session = leader_mpi_session(size) if size > 1 else None
-            self.executor = Executor(config["engine_dir"], backend, device=config.get("device"),
-                                     dtype=config.get("dtype"), mpi_session=session, world_size=size,
-                                     max_batch_size=_engine_batch_size(config))
+            self.executor = Executor(config["engine_dir"], config.get("backend", "auto"), device=config.get("device"),
+                                     dtype=config.get("dtype"), max_batch_size=_engine_batch_size(config))
 
         def _sampling(self, params: RequestParams) -> Any:
             from .. import SamplingParams
@@ -291,13 +311,38 @@ def make_triton_model(model_yaml: str | Path) -> type:
         def _stream(self, params: RequestParams) -> Any:
             return self.executor.stream(params.prompt, self._sampling(params))
 
+        def _request_threads(self) -> Any:
+            """The persistent pool decoupled requests run on: as wide as the executor batches, else one."""
+            if getattr(self, "_pool", None) is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                executor = getattr(self, "executor", None)
+                width = executor.max_batch_size if executor is not None and executor.batched else 1
+                self._pool = ThreadPoolExecutor(max(width, 1), thread_name_prefix="moespec-triton")
+            return self._pool
+
         def execute(self, requests: list[Any]) -> list[Any] | None:
             import triton_python_backend_utils as pb_utils
 
             if not self.decoupled:
                 return self._each(requests, lambda r: handle_request(pb_utils, r, self._generate))
-            self._each(requests, lambda r: serve_decoupled(pb_utils, r, self._stream))  # each answered when it finishes
+            pool = self._request_threads()
+            for request in requests:  # answered from the pool as each finishes; execute returns now
+                self._in_flight.add(pool.submit(serve_decoupled, pb_utils, request, self._stream))
             return None
+
+        @property
+        def _in_flight(self) -> set:
+            if getattr(self, "_futures", None) is None:
+                self._futures = set()
+            self._futures = {f for f in self._futures if not f.done()}
+            return self._futures
+
+        def wait_idle(self, timeout: float | None = None) -> None:
+            """Wait until every decoupled request handed to the pool has been answered."""
+            from concurrent.futures import wait
+
+            wait(list(self._in_flight), timeout=timeout)
 
         def _each(self, requests: list[Any], handle: Callable[[Any], Any]) -> list[Any]:
             """handle(request) for each request, in order; concurrently (one thread per request) when the
@@ -311,28 +356,12 @@ def make_triton_model(model_yaml: str | Path) -> type:
                 return list(pool.map(handle, requests))
 
         def finalize(self) -> None:
-            if self.executor is not None:
+            if getattr(self, "_pool", None) is not None:
+                self._pool.shutdown(wait=True)  # requests in flight are answered first
+                self._pool = None
+            if getattr(self, "executor", None) is not None:
                 self.executor.shutdown()
 
     return TritonPythonModel
 
 
-def serve_worker_rank(engine_dir: str, rank: int) -> None:  # GPU machines (TensorRT-LLM) only
-    """A non-leader rank: install the worker (the leader's patch does not reach this process), then serve."""
-    from mpi4py.futures import MPICommExecutor
-    from mpi4py.MPI import COMM_WORLD
-
-    from ..backends.trtllm.config import load_engine_spec
-    from ..backends.trtllm.reach import install_for_engine
-
-    install_for_engine(load_engine_spec(engine_dir), engine_dir)
-    with MPICommExecutor(COMM_WORLD) as executor:
-        if executor is not None:
-            raise RuntimeError(f"rank {rank} unexpectedly became the MPI executor root")
-
-
-def leader_mpi_session(size: int) -> Any:  # GPU machines (TensorRT-LLM) only
-    from mpi4py.MPI import COMM_WORLD
-    from tensorrt_llm.llmapi import MpiCommSession
-
-    return MpiCommSession(comm=COMM_WORLD, n_workers=size)
