@@ -78,3 +78,38 @@ def test_a_missing_override_fails_to_compile(tmp_path):
     unit.write_text(INSTANTIATE)
     result = _compile(unit, VERSIONS[-1], mutated)
     assert result.returncode != 0 and "abstract" in result.stderr
+
+
+def _native_identity() -> tuple[str, str, str]:
+    import re
+
+    source = (PLUGIN_DIR / "MoESpecTreeSelectPlugin.cpp").read_text()
+    found = {k: re.search(rf'char const\* const {k} = "([^"]*)";', source).group(1)
+             for k in ("kName", "kVersion", "kNamespace")}
+    return found["kName"], found["kVersion"], found["kNamespace"]
+
+
+def _python_identity() -> tuple[str, str, str]:
+    """(name, version, namespace) the Python plugin's @trtllm_plugin decorator registers, read from its source."""
+    import ast
+
+    from trtllm_moespec.backends.trt_plugin import spec
+
+    tree = ast.parse((ROOT / "trtllm_moespec" / "backends" / "trt_plugin" / "plugin.py").read_text())
+    decorator = next(d for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for d in node.decorator_list
+                     if isinstance(d, ast.Call) and getattr(d.func, "id", "") == "trtllm_plugin")
+    value = lambda node: getattr(spec, node.id) if isinstance(node, ast.Name) else node.value  # noqa: E731
+    keywords = {k.arg: value(k.value) for k in decorator.keywords if k.arg in ("plugin_version", "plugin_namespace")}
+    return value(decorator.args[0]), keywords.get("plugin_version", "1"), keywords["plugin_namespace"]
+
+
+def test_native_and_python_plugins_register_distinct_identities():
+    """F3: both routes named moespec::MoESpecTreeSelect v1 but serialising differently (48-byte "attrs" against
+    TensorRT-LLM's pickled "__plugin_pickle_obj__") would collide: TensorRT's loadLibrary fails when a plugin is
+    already registered (NvInferRuntimeCommon.h, TensorRT v10.14 @ 3b4ddc1d45f11167f2ea53dc6046bba8df800e2d) and
+    trtllm_plugin asserts its registration (python_plugin.py @ 18b5fac4f805b04f15efff9962db4a0f0453e4aa)."""
+    native, python = _native_identity(), _python_identity()
+    assert native == ("MoESpecTreeSelect", "1", "moespec")
+    assert python[0] == native[0] and python != native and python[2] == "moespec_py"
+    header = (HEADERS / "10.14" / "include" / "NvInferRuntimeCommon.h").read_text()
+    assert "fail and return nullptr if any of the plugins are already registered" in " ".join(header.replace("//!", "").split())

@@ -156,13 +156,14 @@ def test_python_plugin_imports_match_the_recorded_module_layout():
 
 
 def test_python_plugin_registers_in_the_moespec_namespace():
-    """trtllm_plugin defaults to TensorRT-LLM's namespace; ours must be named like the native plugin's."""
+    """trtllm_plugin defaults to TensorRT-LLM's namespace; ours must name its own (moespec_py, issue 26 F3)."""
     import ast
 
     from trtllm_moespec.backends.trt_plugin.spec import PLUGIN_NAMESPACE
 
     _, decorator = _plugin_imports()
     keywords = {k.arg: k.value for k in decorator.keywords}
-    assert isinstance(keywords.get("plugin_namespace"), ast.Name) and keywords["plugin_namespace"].id == "PLUGIN_NAMESPACE"
+    assert isinstance(keywords.get("plugin_namespace"), ast.Name)
+    assert keywords["plugin_namespace"].id == "PYTHON_PLUGIN_NAMESPACE"
     native = (ROOT / "plugins" / "trt" / "MoESpecTreeSelectPlugin.cpp").read_text()
     assert f'kNamespace = "{PLUGIN_NAMESPACE}"' in native

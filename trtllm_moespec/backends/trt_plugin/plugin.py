@@ -16,7 +16,8 @@ from tensorrt_llm.python_plugin import PluginBase, ShapeExpr, SymTensor, trtllm_
 
 from ...kernels.spec import check_inputs, parse_mode
 from ...kernels.triton_select import select_tree_triton
-from .spec import OUTPUT_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginAttrs, output_dtypes, output_shapes
+from .spec import (OUTPUT_NAMES, PLUGIN_NAME, PLUGIN_VERSION, PYTHON_PLUGIN_NAMESPACE, PluginAttrs, output_dtypes,
+                   output_shapes)
 
 _TORCH_NAMES = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool"}
 
@@ -29,9 +30,9 @@ def _dtype_name(dtype) -> str:
 
 
 # No `from __future__ import annotations` here: trtllm_plugin inspects real annotations.
-# trtllm_plugin's namespace defaults to TensorRT-LLM's own (python_plugin.py @ 18b5fac4): name ours
-# explicitly so both plugin routes register as moespec::MoESpecTreeSelect.
-@trtllm_plugin(PLUGIN_NAME, plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE,
+# trtllm_plugin's namespace defaults to TensorRT-LLM's own (python_plugin.py @ 18b5fac4f805b04f15efff9962db4a0f0453e4aa);
+# ours is moespec_py, not the native plugin's moespec: the two serialise differently (spec.py).
+@trtllm_plugin(PLUGIN_NAME, plugin_version=PLUGIN_VERSION, plugin_namespace=PYTHON_PLUGIN_NAMESPACE,
                plugin_num_outputs=len(OUTPUT_NAMES))
 class MoESpecTreeSelectPlugin(PluginBase):
     def __init__(self, mode, budget: int, c0: float = 0.0, c_tok: float = 0.0, c_exp: float = 0.0,

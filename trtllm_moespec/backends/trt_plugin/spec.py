@@ -9,7 +9,17 @@ Plugin I/O (TensorRT has no float64 tensors, so C(k) and the two real outputs ar
   outputs  0 node_idx [B, budget] int64   1 num_selected [B] int64
            2 expected_tokens [B] float32  3 predicted_cost [B] float32 (NaN without a cost model)
 Attributes: mode (int32, kernels.spec.Mode), budget (int32), c0, c_tok, c_exp, eps (float64).
-Serialised form (native plugin field "attrs", Python plugin state): ATTRS_FORMAT little endian.
+
+Two routes, two identities. The native plugin (plugins/trt) is `moespec::MoESpecTreeSelect` v1 and
+serialises one 48-byte field "attrs" (ATTRS_FORMAT, little endian). The Python plugin (plugin.py) is
+`moespec_py::MoESpecTreeSelect` v1: TensorRT-LLM's `trtllm_plugin` registers it and serialises the
+instance as one pickled field "__plugin_pickle_obj__" (`PluginBase.get_fields_to_serialize`,
+tensorrt_llm/python_plugin.py @ 18b5fac4f805b04f15efff9962db4a0f0453e4aa). One identity for both would
+be wrong twice: TensorRT's `IPluginRegistry::loadLibrary` "will fail and return nullptr if any of the
+plugins are already registered" (include/NvInferRuntimeCommon.h, NVIDIA/TensorRT v10.14 @
+3b4ddc1d45f11167f2ea53dc6046bba8df800e2d), `trtllm_plugin` asserts that its own registration succeeded,
+and an engine built by one route could be handed to the other's creator, which cannot read its fields.
+Neither route is what the PyTorch-backend worker runs: it calls the `moespec::select_tree` torch op.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from ...kernels.spec import Mode, parse_mode
 
 PLUGIN_NAME = "MoESpecTreeSelect"
 PLUGIN_VERSION = "1"
-PLUGIN_NAMESPACE = "moespec"
+PLUGIN_NAMESPACE = "moespec"  # the native plugin's (plugins/trt/MoESpecTreeSelectPlugin.cpp kNamespace)
+PYTHON_PLUGIN_NAMESPACE = "moespec_py"  # the Python plugin's: another serialisation, so another identity
 INPUT_NAMES = ("scores", "parents", "valid", "depth", "node_bits", "root_bits", "cost_table")
 OUTPUT_NAMES = ("node_idx", "num_selected", "expected_tokens", "predicted_cost")
 INPUT_DTYPES = ("float32", "int64", "bool", "int64", "int64", "int64", "float32")
