@@ -3,7 +3,9 @@
 TensorRT-LLM cannot be installed on these CPU machines, so the module tree that
 install() patches is built here from types.ModuleType objects with the same names
 and signatures as tensorrt_llm 1.2.x (the only stand-ins in the test suite).
-The selection itself is real: history buffers filled as TRT-LLM fills them.
+The selection itself is real: history buffers filled as TRT-LLM fills them. Where the stand-in
+compares with TensorRT-LLM's own behaviour, it runs TensorRT-LLM's text from the pinned excerpts
+(tests/backends/fixtures/trtllm/: `_resample_final_tokens`, `_is_effective_dynamic_tree`).
 """
 
 import sys
@@ -13,7 +15,8 @@ import pytest
 import torch
 
 from tests.backends.test_buffers import fill_history, random_draft
-from trtllm_moespec.backends.trtllm.buffers import DynamicTreeHistory, selected_parent_positions, top_n_resampling
+from tests.backends.upstream import load_function
+from trtllm_moespec.backends.trtllm.buffers import DynamicTreeHistory, selected_parent_positions
 from trtllm_moespec.backends.trtllm.version import (UnsupportedTensorRTLLMVersion, check_effective_draft_tokens,
                                                     check_engine_mode, supported_mode)
 from trtllm_moespec.backends.trtllm.worker import (
@@ -26,6 +29,8 @@ from trtllm_moespec.backends.trtllm.worker import (
 )
 
 TREE_VERSION = "1.3.0rc9"  # a dynamic-tree line version (with the module present)
+RESAMPLE_FINAL_TOKENS = load_function("eagle3_dynamic_tree_excerpt.py", "_resample_final_tokens")
+IS_EFFECTIVE_DYNAMIC_TREE = load_function("spec_utils_excerpt.py", "_is_effective_dynamic_tree")
 
 
 @pytest.mark.parametrize(
@@ -107,17 +112,17 @@ def _fake_trtllm(monkeypatch, version=TREE_VERSION, history=None, verify_length=
             self.history_draft_tokens_parent_buffer = history.parents
 
         def resampling_final_draft_tokens(self, batch_size):
-            tokens, indices = top_n_resampling(history, self.max_total_draft_tokens)
-            return tokens[:batch_size], indices[:batch_size]
+            # TensorRT-LLM's own text (the pinned excerpt), not our reading of it
+            return RESAMPLE_FINAL_TOKENS(self.history_score_buffer[:batch_size, :],
+                                         self.history_draft_tokens_buffer[:batch_size, :], self.max_total_draft_tokens)
 
     class LinearWorker:
         def __init__(self, spec_config, mapping):
             self.spec_config = spec_config
 
     def get_spec_worker(spec_config, model_config, mapping, use_separate_draft_kv_cache: bool = False):
-        # main's dispatch: use_dynamic_tree and topK >= 2 (_is_effective_dynamic_tree, PR #15842)
-        if (spec_config.spec_dec_mode.is_eagle3_one_model() and spec_config.use_dynamic_tree
-                and spec_config.dynamic_tree_max_topK > 1):
+        # main's dispatch, with its own _is_effective_dynamic_tree (utils.py @ 011d0933, pinned excerpt)
+        if spec_config.spec_dec_mode.is_eagle3_one_model() and IS_EFFECTIVE_DYNAMIC_TREE(spec_config):
             return Eagle3OneModelDynamicTreeWorker(spec_config, mapping, use_separate_draft_kv_cache)
         return LinearWorker(spec_config, mapping)
 
