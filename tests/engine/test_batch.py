@@ -314,7 +314,7 @@ def test_joint_batch_sampling_keeps_the_target_distribution():
         for r in sampled:
             counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
             accepted += sum(s.accepted_tokens for s in r.steps)
-    assert accepted >= 60, accepted  # 3 sampled requests x 80 batches; depth-1 trees
+    assert accepted >= 90, accepted  # measured: 179 of 240
     assert_follows(Draws(counts, trials, accepted, 0), exact)
 
 

@@ -230,7 +230,7 @@ def test_sampling_distribution_with_plain_and_speculative_steps():
     exact = exact_first_tokens(TINY_TARGET, prompt, 4, top_k=3)
     draws = draw(llm, prompt, lambda seed: SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed,
                                                           ignore_eos=True), 400)
-    assert draws.accepted >= 100, draws.accepted  # one depth-1 tree per trial
+    assert draws.accepted >= 100, draws.accepted  # measured: 202 of 400
     assert_follows(draws, exact)
 
 
