@@ -4,6 +4,7 @@ real optimizer steps reduce the distillation loss, and the exported drafter load
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,10 @@ def test_train_resume_export_and_load(target_dir, data_dir, tmp_path) -> None:
         load_eagle3(out, target=TargetModel(Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=VOCAB * 2, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))))
+    # a finished run keeps training in an appended cosine segment (the target was trained further)
+    _, extended = train_eagle3(target_dir, data_dir, run, replace(cfg, extend_minutes=1.0), resume=True, max_steps=5)
+    assert extended.step == 5 and extended.segment_start_s == progress.elapsed_s
+    assert extended.planned_s == pytest.approx(progress.elapsed_s + 60) and extended.segment_peak_lr == 1e-3
 
 
 ASSETS = Path(__file__).resolve().parents[2] / "trtllm_moespec" / "assets" / "moespec-tiny"

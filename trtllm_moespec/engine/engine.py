@@ -23,6 +23,7 @@ from ..core.logit_rules import TokenHistory
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
+from ..core.seeded import PositionKeys
 from ..core.tree import DraftTree, deepest_selected, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
@@ -44,6 +45,7 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingConfig
     max_tokens: int
+    # A seeded request's (api.make_request): its seed keys the position-keyed sampler (core/seeded.py).
     generator: torch.Generator | None
     stop_ids: frozenset[int] = frozenset()
     stop_check: Callable[[list[int]], StopCut | None] | None = None  # where a stop string ends the output, if one did
@@ -165,7 +167,8 @@ class SpecEngine:
     @staticmethod
     def accept(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
         """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions."""
-        return verify_tree(layout, processed_logits(request, logits, layout), [request.sampling], [request.generator])
+        return verify_tree(layout, processed_logits(request, logits, layout), [request.sampling], [request.generator],
+                           seeds=position_keys([request]))
 
     def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
@@ -326,6 +329,17 @@ class SpecEngine:
             if rule is not None:
                 rule.extend(request.output_ids[before:])
         return request.finish_reason is not None
+
+
+def position_keys(requests: list[Request]) -> PositionKeys | None:
+    """Seeded requests' keys and output positions for the position-keyed rule (core/verify.py): a
+    token's random number then depends on its seed and output position only, so the text is the same
+    under every policy, batch and guard decision. None when any request has no seed (its generator's
+    stream then drives the sequential rule)."""
+    if any(r.generator is None for r in requests):
+        return None
+    return PositionKeys(tuple(r.generator.initial_seed() for r in requests),
+                        tuple(len(r.output_ids) for r in requests))
 
 
 def draft_constraint(request: Request):

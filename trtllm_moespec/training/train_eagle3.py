@@ -71,6 +71,8 @@ class Eagle3TrainConfig:
     selfgen_prompt_len: int = 64  # corpus tokens before each greedy continuation
     selfgen_fraction: float = 0.5  # share of each batch drawn from the self-generated windows
     seed: int = 0
+    extend_minutes: float = 0.0  # with resume: append a new cosine segment of this length (e.g. on a retrained target)
+    extend_peak_lr: float = 1e-3  # its starting lr
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,10 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
                                   weight_decay=cfg.weight_decay)
     if resume:
         progress = load_checkpoint(out_dir, drafter, optimizer)
-        log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s")
+        if cfg.extend_minutes > 0:
+            progress = replace(progress, segment_start_s=progress.elapsed_s, segment_peak_lr=cfg.extend_peak_lr,
+                               planned_s=progress.elapsed_s + cfg.extend_minutes * 60)
+        log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s, target {target_dir}")
     else:
         progress = Progress(step=0, planned_s=cfg.minutes * 60, tokens_seen=0, elapsed_s=0.0, best_heldout_loss=float("inf"))
         (out_dir / "run_config.json").write_text(json.dumps({"target": str(target_dir), "train": asdict(cfg),
@@ -254,7 +259,9 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
     bar = tqdm(total=int(progress.planned_s), initial=int(elapsed), desc="eagle3 (s)", mininterval=10)
     while elapsed < progress.planned_s and time.time() < deadline and (max_steps is None or step < max_steps):
         windows = training_batch(streams.train, selfgen, cfg, step)
-        lr = cosine_lr(step, elapsed / progress.planned_s, cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
+        segment = max(progress.planned_s - progress.segment_start_s, 1e-9)  # the whole run, or an appended segment
+        lr = cosine_lr(step, (elapsed - progress.segment_start_s) / segment, progress.segment_peak_lr or cfg.peak_lr,
+                       cfg.warmup_steps, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, metrics = distill_loss(drafter, target, windows, cfg)

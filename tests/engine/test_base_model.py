@@ -1,0 +1,62 @@
+"""The shipped moespec-base family (the deployment cost regime): what it must hold (issue 25), and
+every policy exact against transformers' greedy generate, speculating."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from trtllm_moespec import LLM, SamplingParams
+from trtllm_moespec.assets import shipped_model_paths
+
+PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def paths():
+    return shipped_model_paths("moespec-base")  # FileNotFoundError (a failure) when the assets are missing
+
+
+def test_the_shipped_family_is_complete_and_in_the_regime(paths):
+    config = json.loads((paths["target"] / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["num_experts"] >= 32 and config["num_experts_per_tok"] >= 4 and config["mlp_only_layers"] == []
+    assert (paths["target"] / "model.safetensors").stat().st_size <= 96 * 2**20
+    for key in ("draft", "predictor_head"):  # the EAGLE-3 drafter and our draft-head expert predictor
+        assert (paths[key] / "config.json").is_file(), key
+    assert paths["calibrator"].is_file()
+    profile = json.loads((paths["target"].parent / "cost_profile.json").read_text())
+    assert profile["model_id"] == "moespec-base" and profile["expert_model"]
+    assert profile["draft_forward"] <= profile["plain_step"] / 10  # a drafter forward <= 1/10 of a plain step
+
+
+@pytest.fixture(scope="module")
+def references(paths):
+    tok = transformers.AutoTokenizer.from_pretrained(str(paths["target"]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(paths["target"]), dtype=torch.float32)
+    refs = []
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "ddd", "coverage", "evict", "ecospec", "joint"])
+def test_every_policy_is_exact_on_moespec_base(references, policy):
+    """Greedy output equals transformers'; the speculative policies accept drafts (guard off, so each
+    step speculates: what is checked is the verification of selected trees, not plain steps)."""
+    llm = LLM("moespec-base", policy=policy, guard="off")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    accepted = sum(s.accepted_tokens for out in outs for s in out.steps)
+    for out, ref in zip(outs, references):
+        assert out.token_ids == ref
+    if policy == "ar":
+        assert accepted == 0
+    else:
+        assert accepted >= MAX_TOKENS // 2, f"{policy} accepted {accepted} draft tokens"
