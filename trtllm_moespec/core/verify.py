@@ -20,17 +20,31 @@ distribution exactly (lossless). Randomness: one uniform per layout position
 (used when that node is tested) and one for the final sample, drawn per request
 from its own torch.Generator, so the vectorised and the reference implementation
 consume identical numbers. A batch of greedy requests needs none and draws none.
+
+Seeded requests (`seeds=`, core/seeded.py) use the position-keyed form of the same rule:
+  x := inverse-CDF sample of p(node) with U(seed, output position of node's token)
+  if a child of node carries x: accept it and continue there; else emit x.
+x follows p(node), so the emitted tokens follow the target (lossless), and the token at
+each output position is a function of the seed and the prefix alone: every tree, policy,
+batch and guard decision gives the text plain decoding (`ar`) gives with that seed. A
+child is accepted with probability p(child): the most any lossless rule can accept with
+deterministic drafts, and what the sequential rule above accepts too (it is the same
+coupling drawn child by child, so its acceptance and law are equal; only its numbers
+depend on the tree). Unseeded requests keep the sequential rule: it draws from the
+request's stream, which this module's tests and benchmarks pin, and gains nothing here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .layout import TreeLayout
 from .sampling import SamplingConfig, all_finite, sample_from_probs, target_probs
+from .seeded import PositionKeys
 
 
 @dataclass(frozen=True)
@@ -70,19 +84,26 @@ def verify_tree(
     configs: list[SamplingConfig],
     generators: list[torch.Generator | None] | None = None,
     uniforms: torch.Tensor | None = None,
+    seeds: PositionKeys | None = None,
 ) -> VerifyResult:
-    """Verify every request's tree; target_logits: [B, 1+K, V] at the layout positions."""
+    """Verify every request's tree; target_logits: [B, 1+K, V] at the layout positions. With `seeds`
+    every request is seeded (the position-keyed rule, whose numbers come from its key and output
+    position); else each draws from its generator (or uses `uniforms`, [B, 1+K+1])."""
     B, T = layout.token_ids.shape
     if target_logits.shape[:2] != (B, T):
         raise ValueError(f"target_logits shape {tuple(target_logits.shape)} does not match layout [B={B}, T={T}, V]")
     if len(configs) != B:
         raise ValueError(f"need one SamplingConfig per request: got {len(configs)} for batch {B}")
+    if seeds is not None and len(seeds.keys) != B:
+        raise ValueError(f"need one sampling key per request: got {len(seeds.keys)} for batch {B}")
     if all(c.greedy for c in configs):  # no random numbers are needed (nor drawn)
         if T == 1:  # no draft nodes: a plain decoding step
             return _plain_greedy(target_logits)
         if target_logits.device.type == "cpu":
             return _greedy_tree_host(layout, target_logits)
         return _greedy_tree(layout, target_logits)
+    if seeds is not None:
+        return _seeded_tree(layout, target_logits, configs, seeds)
     if uniforms is None:
         uniforms = draw_uniforms(B, T, generators)
     uniforms = uniforms.to(device=target_logits.device, dtype=torch.float32)
@@ -90,25 +111,35 @@ def verify_tree(
         return _plain_step(layout, target_logits, configs, uniforms)
     if target_logits.device.type == "cpu" and B <= HOST_WALK_MAX_BATCH:
         return _sampled_tree_host(layout, target_logits, configs, uniforms)
+    # (greedy requests here share a batch with sampled ones: p is one-hot for them)
+    return _walk_tensors(layout, target_logits.device, lambda cur, kids, depth: _sampling_step(
+        layout, _probs_at(target_logits, cur, configs), kids, uniforms))
+
+
+def _walk_tensors(layout: TreeLayout, device: torch.device, step: Callable) -> VerifyResult:
+    """Both sampling rules' walk on tensors, every request at once, one depth per round:
+    `step(cur [B], kids [B, C], depth)` returns each request's accepted child among `kids`
+    (its current node's children, -1 pad; -1: none) and the token it emits when none is."""
+    B = layout.batch_size
     children = _children(layout)  # [B, T, C]
     D = layout.max_depth
-    rows = torch.arange(B, device=target_logits.device)
+    rows = torch.arange(B, device=device)
 
-    cur = torch.zeros(B, dtype=torch.int64, device=target_logits.device)
+    cur = torch.zeros(B, dtype=torch.int64, device=device)
     num_accepted = torch.zeros_like(cur)
     accepted_pos = torch.full((B, D), -1, dtype=torch.int64, device=cur.device)
     bonus = torch.zeros_like(cur)
     done = torch.zeros(B, dtype=torch.bool, device=cur.device)
-    for depth in range(D + 1):  # (greedy requests here share a batch with sampled ones: p is one-hot for them)
+    for depth in range(D + 1):
         kids = children[rows, cur]  # [B, C]
-        chosen, sample = _sampling_step(layout, _probs_at(target_logits, cur, configs), kids, uniforms)
+        chosen, sample = step(cur, kids, depth)
         stop = ~done & (chosen < 0)
         bonus = torch.where(stop, sample, bonus)
-        step = ~done & (chosen >= 0)
+        moved = ~done & (chosen >= 0)
         if depth < D:
-            accepted_pos[:, depth] = torch.where(step, chosen, -1)
-        num_accepted += step.long()
-        cur = torch.where(step, chosen, cur)
+            accepted_pos[:, depth] = torch.where(moved, chosen, -1)
+        num_accepted += moved.long()
+        cur = torch.where(moved, chosen, cur)
         done |= stop
         if bool(done.all()):
             break
@@ -203,23 +234,34 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
     ~25 small tensor ops. The visited rows' argmax and finiteness check run in numpy
     (~2 us a call against ~10 for torch's), which, like torch, returns the first maximum.
     """
+    logits = target_logits.numpy() if target_logits.dtype in (torch.float32, torch.float64) else target_logits.float().numpy()
+    # argmax at visited nodes only (a few of the T rows)
+    result, paths = _chain_host(layout, lambda b, pos, depth: int(logits[b, pos].argmax()))
+    for b, path in enumerate(paths):
+        if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
+            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+    return result
+
+
+def _chain_host(layout: TreeLayout, pick: Callable[[int, int, int], int]) -> tuple[VerifyResult, list[list[int]]]:
+    """The walk of the greedy and the seeded rule on host lists: from the root, move to the first
+    child (in layout order) carrying `pick(b, pos, depth)`, the token the rule emits at position pos
+    (at that depth) of request b; the last pick is the bonus. One forward scan finds it: layout order
+    puts every child after its parent. Returns the result and each request's accepted positions."""
     B, T = layout.token_ids.shape
     parent, tokens, valid = layout.parent_pos.tolist(), layout.token_ids.tolist(), layout.valid.tolist()
-    logits = target_logits.numpy() if target_logits.dtype in (torch.float32, torch.float64) else target_logits.float().numpy()
     paths, bonuses = [], []
     for b in range(B):
         cur, path = 0, []
-        best = int(logits[b, 0].argmax())  # argmax at visited nodes only (a few of the T rows)
+        best = pick(b, 0, 0)
         for j in range(1, T):
             if valid[b][j] and parent[b][j] == cur and tokens[b][j] == best:
                 path.append(j)
                 cur = j
-                best = int(logits[b, j].argmax())
-        if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
-            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+                best = pick(b, j, len(path))
         paths.append(path)
         bonuses.append(best)
-    return _host_result(paths, bonuses, tokens, layout.max_depth)
+    return _host_result(paths, bonuses, tokens, layout.max_depth), paths
 
 
 def _plain_greedy(target_logits: torch.Tensor) -> VerifyResult:
@@ -274,6 +316,43 @@ def _sampling_step(
         r[rows, tok] = torch.where(reject, 0.0, r_tok)
         total = torch.where(reject, total - r_tok, total)
     return chosen, sample_from_probs(r, uniforms[:, -1])
+
+
+def _seeded_tree(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],
+                 seeds: PositionKeys) -> VerifyResult:
+    """The position-keyed rule (module docstring): the greedy rule's walk with the argmax at a visited
+    node replaced by its target sample under U(key, start + depth). Only visited nodes are processed."""
+    B, T = layout.token_ids.shape
+    u = seeds.uniforms(layout.max_depth).to(target_logits.device)  # [B, D+1]
+    if T == 1:  # a plain step
+        zeros = torch.zeros(B, dtype=torch.int64, device=target_logits.device)
+        return _root_only_result(sample_from_probs(_probs_at(target_logits, zeros, configs), u[:, 0]))
+    if target_logits.device.type == "cpu" and B <= HOST_WALK_MAX_BATCH:
+        return _seeded_tree_host(layout, target_logits, configs, u)
+    return _walk_tensors(layout, target_logits.device, lambda cur, kids, depth: _seeded_step(
+        layout, _probs_at(target_logits, cur, configs), kids, u[:, depth]))
+
+
+def _seeded_tree_host(layout: TreeLayout, target_logits: torch.Tensor, configs: list[SamplingConfig],
+                      u: torch.Tensor) -> VerifyResult:
+    """The position-keyed rule for small CPU batches, on host lists (the sample at each visited node
+    is the tensor path's: the same target_probs row and sample_from_probs call)."""
+    def pick(b: int, pos: int, depth: int) -> int:
+        probs = target_probs(target_logits[b, pos][None], configs[b])  # [1, V]
+        return int(sample_from_probs(probs, u[b, depth:depth + 1])[0])
+
+    return _chain_host(layout, pick)[0]
+
+
+def _seeded_step(layout: TreeLayout, probs: torch.Tensor, kids: torch.Tensor,
+                 u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample each current node's token from probs [B, V] with its uniform u [B]; the accepted child
+    is the first of kids [B, C] (-1 pad) carrying it, -1 if none does. Returns (child, sample) [B]."""
+    sample = sample_from_probs(probs, u)  # [B]
+    rows = torch.arange(kids.shape[0], device=kids.device)[:, None]
+    hit = (kids >= 0) & (layout.token_ids[rows, kids.clamp(min=0)] == sample[:, None])  # [B, C]
+    first = kids.gather(1, hit.long().argmax(1, keepdim=True))[:, 0]  # argmax: the first hit
+    return torch.where(hit.any(1), first, -1), sample
 
 
 def _probs_at(target_logits: torch.Tensor, cur: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:

@@ -17,7 +17,8 @@ alone, sampling distribution unchanged): the forward sees request b's keys only 
 cache slot and b's tree mask; padding repeats the root token at the root's position and
 sees only the root, so it computes the root's values again and wakes no new expert; the
 acceptance rule runs per request on the unpadded layout, so a request draws exactly the
-uniforms from its own generator that it would draw alone. A selection made across the
+uniforms from its own generator that it would draw alone (a seeded one, those of its seed and
+output positions, core/seeded.py). A selection made across the
 batch changes which nodes are verified, never how they are accepted, so sampling stays
 lossless (DESIGN: any tree chosen without the verifier's random numbers); the guard decides
 from past steps' timings only.
@@ -44,7 +45,8 @@ from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, commit_all, draft_all
-from .engine import Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, processed_logits
+from .engine import (Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, position_keys,
+                     processed_logits)
 from .stats import StepStats
 
 
@@ -368,18 +370,21 @@ def _max_depths(drafts: list[Draft | None], node_idx: list[torch.Tensor]) -> lis
 
 def _verify_roots(running: list[_Active], roots: list[torch.Tensor], outs: list[TargetOutput]) -> list[VerifyResult]:
     """Every request's plain step (its root alone) verified in one call per kind, split per request:
-    greedy requests together (no random numbers drawn, as alone), sampled ones together (each draws
-    from its own generator, as alone)."""
+    greedy requests together (no random numbers drawn, as alone), seeded ones together (each keyed by
+    its seed and output position, as alone), unseeded ones together (each draws from its own
+    generator, as alone)."""
     requests = [a.request for a in running]
     results: list[VerifyResult | None] = [None] * len(requests)
     greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
-    sampled = [b for b, r in enumerate(requests) if not r.sampling.greedy]
-    for group in (greedy, sampled):
+    seeded = [b for b, r in enumerate(requests) if not r.sampling.greedy and r.generator is not None]
+    unseeded = [b for b, r in enumerate(requests) if not r.sampling.greedy and r.generator is None]
+    for group in (greedy, seeded, unseeded):
         if not group:
             continue
         result = verify_tree(root_layout(torch.cat([roots[b] for b in group])),
                              torch.cat([processed_logits(requests[b], outs[b].logits, None) for b in group]),  # [G, 1, V]
-                             [requests[b].sampling for b in group], [requests[b].generator for b in group])
+                             [requests[b].sampling for b in group], [requests[b].generator for b in group],
+                             seeds=position_keys([requests[b] for b in group]))
         for i, b in enumerate(group):
             results[b] = result.row(i)
     return results
