@@ -2,7 +2,8 @@
 # The one script a GPU machine runs (offline, <= 6 minutes): CUDA tests (graphs on/off), select_tree timings,
 # lean-engine vs transformers AR tokens/s, ar/eagle3 tokens/s with CUDA graphs on vs off, C(k) with and without CUDA graphs on a
 # random-weight Qwen3-30B-A3B-shaped model, the host syncs per speculative step before the verify, and a batch sweep (batched engine at B = 1, 2, 4, 8: ar/eagle3/joint-batch
-# tokens/s, each request's greedy tokens checked against single-request ar) (benchmarks/gpu_check.py). JSON goes under $OUT.
+# tokens/s, each request's greedy tokens checked against single-request ar) (benchmarks/gpu_check.py); then the TensorRT-LLM
+# checks (benchmarks/gpu_check_trtllm.py, TRTLLM_TIMEOUT default 120 s; skipped where tensorrt_llm is absent). JSON goes under $OUT.
 #
 #   OUT=/path/to/out bash benchmarks/gpu_check.sh            # on the GPU machine
 #   OUT=/tmp/smoke bash benchmarks/gpu_check.sh --cpu-smoke  # tiny shapes on CPU (CI runs this)
@@ -48,5 +49,11 @@ fi
 run_tests kernels 75 tests/kernels/test_cuda.py
 run_tests engine 95 tests/engine/test_cuda_engine.py
 timeout "${MEASURE_TIMEOUT:-180}" "$PY" -m benchmarks.gpu_check --out "$OUT" --time-limit "${MEASURE_TIMEOUT:-180}" $SMOKE || status=1
+# TensorRT-LLM section (benchmarks/gpu_check_trtllm.py): the worker's selection + copy padding captured in a CUDA
+# graph (CUDA only); with tensorrt_llm installed also the version/contract/install checks and moespec-tiny on
+# TensorRT-LLM against our engine. Sections that cannot run here (no CUDA, no tensorrt_llm) are skipped, not failed.
+if [[ -z "$SMOKE" ]]; then
+  timeout "${TRTLLM_TIMEOUT:-120}" "$PY" -m benchmarks.gpu_check_trtllm --out "$OUT" || status=1
+fi
 echo "== done (status $status); JSON: $OUT/gpu_check.json"
 exit $status

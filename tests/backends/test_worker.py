@@ -121,7 +121,7 @@ def _fake_trtllm(monkeypatch, version=TREE_VERSION, history=None, verify_length=
             self.spec_config = spec_config
 
     def get_spec_worker(spec_config, model_config, mapping, use_separate_draft_kv_cache: bool = False):
-        # main's dispatch, with its own _is_effective_dynamic_tree (utils.py @ 011d0933, pinned excerpt)
+        # main's dispatch, with its own _is_effective_dynamic_tree (utils.py @ 011d0933dcb5e592f5fa2626beaf42a96324c578, pinned excerpt)
         if spec_config.spec_dec_mode.is_eagle3_one_model() and IS_EFFECTIVE_DYNAMIC_TREE(spec_config):
             return Eagle3OneModelDynamicTreeWorker(spec_config, mapping, use_separate_draft_kv_cache)
         return LinearWorker(spec_config, mapping)
@@ -243,8 +243,9 @@ def test_evict_through_the_select_tree_op_matches_the_core_policy(tmp_path):
 
 
 def test_dynamic_tree_support_follows_the_worker_constructor_contract(monkeypatch):
-    """F9: the two dynamic-tree workers learn their batch capacity differently (eagle3_dynamic_tree.py @ 057c8a65:
-    spec_config._max_batch_size, filled by TensorRT-LLM; @ 470bb720: spec_config.max_batch_size, which the
+    """F9: the two dynamic-tree workers learn their batch capacity differently (eagle3_dynamic_tree.py @
+    057c8a65145bb53caf3939ba4fbcabbad46ea3dc: spec_config._max_batch_size, filled by TensorRT-LLM; @
+    470bb72055d5d397c60be4dda1e8f490e7002440: spec_config.max_batch_size, which the
     speculative_config must carry), under the same 1.3 pre-release version strings: support is decided on
     the constructor, not on the version."""
     from trtllm_moespec.backends.trtllm.config import with_batch_contract

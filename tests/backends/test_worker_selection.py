@@ -4,7 +4,7 @@ equal to the PyTorch engine's selection on the same trees.
 History buffers are filled as TensorRT-LLM's draft loop fills them (test_buffers.fill_history);
 the drafter's hidden states reach the worker through the same hook calls
 (`update_hidden_states`, `prepare_for_generation`) and shapes as in
-eagle3_dynamic_tree.py @ 057c8a65.
+eagle3_dynamic_tree.py @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc.
 """
 
 import contextlib

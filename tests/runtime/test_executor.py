@@ -132,7 +132,7 @@ def test_executor_rejects_a_bad_batch_size(engine_dir):
 
 def test_trtllm_sampling_keywords_leave_off_values_to_the_runtime():
     """Penalties, min_p, min_tokens and top-k at their "off" values go as None (TensorRT-LLM's SamplingParams then keeps its C++
-    defaults, sampling_params.py @ 000a01de); set ones pass through, and so do stop, include_stop_str_in_output,
+    defaults, sampling_params.py @ a98a9061d72f6fd39f5d055ebdd2c6878a100e2c); set ones pass through, and so do stop, include_stop_str_in_output,
     ignore_eos and skip_special_tokens (fields of that class at that commit); what the backend cannot honour is
     refused."""
     from trtllm_moespec import SamplingParams

@@ -5,7 +5,8 @@ With tensorrt_llm importable, every rank first installs the MoESpec worker
 rank 0 builds the Executor on TensorRT-LLM with an MPI session over COMM_WORLD (the
 tensor/expert-parallel sizes come from the engine directory; the world size must
 equal tp * pp) and the other ranks serve `MPICommExecutor`, as TensorRT-LLM's own
-llmapi Triton model does. Without tensorrt_llm, one process runs our PyTorch engine; under
+llmapi Triton model did on the 1.2 line (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @
+b35ac1b64368513d215c57d2ed01d62d910df8da). Without tensorrt_llm, one process runs our PyTorch engine; under
 mpirun the ranks run it expert-parallel (`trtllm_moespec.parallel`: the world size must
 equal the engine's ep; rank 0 drafts and selects, every rank runs the verify forward).
 `--plan-only` prints what each rank would do (with TensorRT-LLM: after installing,

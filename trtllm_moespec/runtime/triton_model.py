@@ -13,7 +13,7 @@ auto-complete (`--disable-auto-complete-config`, as TensorRT-LLM's launch script
 
 Launch: one `tritonserver` per model repository, as TensorRT-LLM's llmapi model now expects
 (its stub deletes the inherited MPI job variables at import and lets TensorRT-LLM spawn the
-other ranks' workers, model.py @ 044a90d2); ours does the same (`forget_mpi_launch`) and
+other ranks' workers, model.py @ 044a90d209e380c95e23e8ae42f3583fa05ada78); ours does the same (`forget_mpi_launch`) and
 refuses to start as one of several mpirun ranks.
 
 Request parsing and response building are plain functions taking the

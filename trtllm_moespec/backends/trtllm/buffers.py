@@ -2,12 +2,16 @@
 
 Source read: NVIDIA/TensorRT-LLM `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py`
 @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc (`Eagle3OneModelDynamicTreeWorker.__init__`,
-`update_draft_tokens_and_scores`, `resampling_final_draft_tokens`, `_forward_draft_loop`)
-and `dynamic_tree_ops.py` @ 16f026718eaba46002916d68bc00d12f80acf6e9 (`build_dynamic_tree`).
+`update_draft_tokens_and_scores`, `resampling_final_draft_tokens`, `_forward_draft_loop`;
+pinned excerpts in tests/backends/fixtures/trtllm/), `dynamic_tree_ops.py` @
+42c5bba32aa1faabb962667ee84a489c6efb4afd (`build_dynamic_tree` hands the parent buffer and
+the selected indices to `build_dynamic_tree_op`) and the kernel it runs,
+cpp/tensorrt_llm/kernels/speculativeDecoding/dynamicTreeKernels.cu @
+84e55f930cbab36e096af441a2e07abdb4199db4 (`buildDynamicTreeKernel`).
 With K = dynamic_tree_max_topK and D = max_draft_len the worker keeps, per request:
 
-- history_draft_tokens_buffer [B, K + K*K*(D-1)] (int32 @ 057c8a65, int64 in the
-  earlier worker of eagle3_dynamic_tree.py @ 470bb72055d5d397c60be4dda1e8f490e7002440)
+- history_draft_tokens_buffer [B, K + K*K*(D-1)] (int32 @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc, int64 in
+  the other worker, eagle3_dynamic_tree.py @ 470bb72055d5d397c60be4dda1e8f490e7002440)
   and history_score_buffer (same shape, float32): draft step 0 writes the root's top-K tokens and their
   softmax probabilities at [0, K); step l >= 1 writes all K*K children of the
   step's K frontier nodes at [K + (l-1)*K*K, K + l*K*K), child c of frontier slot f

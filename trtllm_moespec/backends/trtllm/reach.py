@@ -8,7 +8,8 @@ and with a model world size above 1 and no mpirun it spawns MPI workers; under m
 with an `MpiCommSession`, rank 0 runs its part in-process and the other ranks run theirs
 through `MPICommExecutor`. Spawned workers run the function the executor proxy submits
 to its MPI session (`self.mpi_session.submit(worker_main, **worker_kwargs, ...)`,
-tensorrt_llm/executor/proxy.py), pickled by reference, in a fresh interpreter.
+tensorrt_llm/executor/proxy.py @ b93e14ca093e446615f3009cae6ca5a33c4f2f56), pickled by
+reference, in a fresh interpreter.
 
 Our choice (documented in the backend README):
 - one GPU: set `TLLM_WORKER_USE_SINGLE_PROCESS=1` before building the LLM, so the

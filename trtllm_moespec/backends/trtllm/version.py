@@ -12,13 +12,20 @@ Two lines of TensorRT-LLM exist for us (what was read is in schema.py):
 Chain engines therefore record `>=1.2.0,<2.0.0`, tree engines `>=1.3.0.dev0,<2.0.0`
 (`engine_range`); `moespec build` checks the installed version against it before writing.
 
-Why: `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` first landed on main in
-PR #12062 (2026-03-10), was reverted (#13006) and re-landed (#13081, 2026-04-15), after
-the 1.2 branch; and on 1.2.x `validate_eagle_config` sets
-`max_total_draft_tokens = max_draft_len`, so a "tree" profile there would silently run
-a chain of min(steps, v) tokens. A 1.3 pre-release from before #13081 lacks the
-module, which is why the module itself is checked (`importlib.util.find_spec`), not
-only the version string.
+Why: `tensorrt_llm/_torch/speculative/eagle3_dynamic_tree.py` is newer than the 1.2 line
+(PR #12062 landed it, #13006 reverted it, #13081 re-landed it: dates as recorded in issue 11).
+Read: the module is imported by `_torch/speculative/utils.py` @
+011d0933dcb5e592f5fa2626beaf42a96324c578, whose `get_spec_worker` builds it when
+`_is_effective_dynamic_tree` holds, while utils.py @ 3e906a0ed7c66ed4df90aa4856bf1a6c98ca7df6
+builds only the linear `Eagle3OneModelWorker`; the 1.2 line is represented by
+b35ac1b64368513d215c57d2ed01d62d910df8da (`tensorrt_llm/version.py` "1.2.0rc2", whose
+`_torch/speculative/interface.py` has neither the dynamic-tree mode nor the forced-acceptance
+knob). On 1.2.x `validate_eagle_config` sets `max_total_draft_tokens = max_draft_len` (issue 11's
+record), so a "tree" profile there would silently run a chain; `check_effective_draft_tokens`
+checks the built LLM for exactly that. A 1.3 pre-release from before #13081 lacks the module,
+which is why the module itself is checked (`importlib.util.find_spec`), not only the version string;
+and two dynamic-tree workers with different constructor contracts exist under 1.3 pre-release
+versions, which worker.worker_batch_contract reads from the constructor itself.
 
 TensorRT-LLM is never imported at module import time.
 """

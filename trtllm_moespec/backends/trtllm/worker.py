@@ -1,7 +1,7 @@
 """The MoESpec worker for TensorRT-LLM's PyTorch backend, and how it is swapped in.
 
 TensorRT-LLM's `Eagle3OneModelDynamicTreeWorker` (tensorrt_llm/_torch/speculative/
-eagle3_dynamic_tree.py @ 057c8a65) drafts an EAGLE-3 tree into history buffers and
+eagle3_dynamic_tree.py @ 057c8a65145bb53caf3939ba4fbcabbad46ea3dc) drafts an EAGLE-3 tree into history buffers and
 prunes it once, in `resampling_final_draft_tokens(batch_size)`, to the top-N nodes by
 score (N = max_total_draft_tokens, the verify length its CUDA graphs were captured
 for). `MoESpecDynamicTreeWorker` overrides exactly that method: the history buffers
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 SPEC_UTILS_MODULE = "tensorrt_llm._torch.speculative.utils"
 BASE_WORKER_NAME = "Eagle3OneModelDynamicTreeWorker"
 WORKER_FACTORY_NAME = "get_spec_worker"
-EFFECTIVE_DYNAMIC_TREE_NAME = "_is_effective_dynamic_tree"  # main, PR #15842 (utils.py @ 3e906a0e)
+EFFECTIVE_DYNAMIC_TREE_NAME = "_is_effective_dynamic_tree"  # utils.py @ 011d0933dcb5e592f5fa2626beaf42a96324c578
 
 __all__ = ["WorkerSettings", "install", "uninstall", "make_worker_class", "moespec_resampling", "wants_dynamic_tree",
            "installed_worker_name", "make_selector"]
@@ -114,7 +114,8 @@ def make_worker_class(base: type) -> type:
             self._moespec_embed = None
 
         def _forward_draft_loop(self, inputs, attn_metadata, spec_metadata, draft_model, *args, **kwargs):
-            # The drafter shares the target's embedding (modeling_speculative.py @ 00679c66).
+            # The drafter shares the target's embedding unless their widths differ (`Eagle3DraftModel`,
+            # tensorrt_llm/_torch/models/modeling_speculative.py @ 00679c66c3e38f6d2651ad0a5bef0f94d862e36c).
             self._moespec_embed = draft_model.model.embed_tokens
             return super()._forward_draft_loop(inputs, attn_metadata, spec_metadata, draft_model, *args, **kwargs)
 
@@ -218,9 +219,11 @@ def installed_batch_contract() -> str:
 def wants_dynamic_tree(spec_config: Any, utils: Any = None) -> bool:
     """Whether TensorRT-LLM builds its dynamic-tree worker for `spec_config`.
 
-    Main decides with `_is_effective_dynamic_tree` (use_dynamic_tree and topK >= 2, PR
-    #15842) for the worker, the metadata and the resource manager alike; we call it when
-    the installed utils module has it, so our choice always agrees, and mirror it otherwise.
+    `_is_effective_dynamic_tree` (use_dynamic_tree and topK >= 2) decides for the worker, the
+    metadata and the resource manager alike (tensorrt_llm/_torch/speculative/utils.py @
+    011d0933dcb5e592f5fa2626beaf42a96324c578); we call it when the installed utils module has
+    it, so our choice always agrees, and mirror it otherwise (an older utils.py, e.g. @
+    3e906a0ed7c66ed4df90aa4856bf1a6c98ca7df6, builds no dynamic-tree worker at all).
     """
     mode = getattr(spec_config, "spec_dec_mode", None)
     is_eagle3_one_model = getattr(mode, "is_eagle3_one_model", None)
