@@ -98,15 +98,20 @@ class Draws:
     verified: int  # draft tokens verified
 
 
-def draw(llm, prompt: list[int], params, trials: int, batch_size: int = 1, engine_kwargs: dict | None = None) -> Draws:
-    """`trials` generations with seeds 0..trials-1 (`params(seed)` -> SamplingParams): one at a time
-    through `llm.generate`, or `batch_size` at a time through the batched engine."""
+def draw(llm, prompt: list[int], params, trials: int, batch_size: int = 1, engine_kwargs: dict | None = None,
+         seeded: bool = False) -> Draws:
+    """`trials` generations (`params(seed)` -> SamplingParams): one at a time through `llm.generate`, or
+    `batch_size` at a time through the batched engine. Unseeded (default), requests take the sequential
+    rejection rule with torch's global generator, reset to the chunk's first trial number before each
+    chunk (deterministic); seeded (seeds 0..trials-1), they take the position-keyed seeded sampler."""
     from trtllm_moespec.engine.batch import BatchedEngine
 
     counts: dict[tuple[int, ...], int] = {}
     accepted = verified = 0
     for start in range(0, trials, batch_size):
-        seeds = range(start, min(start + batch_size, trials))
+        seeds = [s if seeded else None for s in range(start, min(start + batch_size, trials))]
+        if not seeded:
+            torch.manual_seed(start)
         if batch_size == 1:
             outs = [(o.token_ids, o.steps) for s in seeds for o in llm.generate([prompt], params(s))]
         else:
