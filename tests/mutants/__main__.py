@@ -34,7 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "core": {
         "sampled": ("tests/core/test_verify.py::test_sampling_distribution_matches_an_independent_target_law",
-                    "tests/core/test_verify.py::test_vectorised_equals_reference_with_the_same_uniforms"),
+                    "tests/core/test_verify.py::test_vectorised_equals_reference_with_the_same_uniforms",
+                    "tests/core/test_seeded_sampling.py::test_seeded_sampling_follows_an_independent_target_law_with_drafts_accepted",
+                    "tests/core/test_seeded_sampling.py::test_every_tree_emits_the_tokens_plain_decoding_emits"),
         "greedy": ("tests/core/test_verify.py::test_greedy_verification_follows_the_argmax_chain",
                    "tests/core/test_verify.py::test_host_greedy_walk_equals_the_tensor_path"),
     },
@@ -45,7 +47,8 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
                     "tests/engine/test_logit_rules.py::test_min_p_greedy_is_unchanged_and_sampling_follows_the_filtered_distribution",
                     "tests/engine/test_structured.py::test_sampled_tokens_follow_the_masked_distribution",
                     "tests/engine/test_guard.py::test_sampling_distribution_with_plain_and_speculative_steps",
-                    "tests/engine/test_batch.py::test_joint_batch_sampling_keeps_the_target_distribution"),
+                    "tests/engine/test_batch.py::test_joint_batch_sampling_keeps_the_target_distribution",
+                    "tests/engine/test_seeded.py::test_every_policy_alone_and_batched_gives_the_text_ar_gives"),
         "greedy": ("tests/engine/test_tiny_model.py::test_every_policy_is_exact_and_speculates_on_the_shipped_model",
                    "tests/engine/test_exactness.py"),
     },

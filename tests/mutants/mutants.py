@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import trtllm_moespec.core.verify as verify
+from trtllm_moespec.core.seeded import PositionKeys
 
 # name -> calls where the mutation changed what the verifier saw or did
 HITS: Counter[str] = Counter()
@@ -114,6 +115,21 @@ def _temperature_twice(mp: pytest.MonkeyPatch) -> None:
 @mutant("nop", "ignore top_p")
 def _no_top_p(mp: pytest.MonkeyPatch) -> None:
     _patch_config(mp, "nop", lambda c: dataclasses.replace(c, top_p=1.0))
+
+
+@mutant("seeded-restart", "seeded requests' numbers restart at each step: keyed by depth in the step, not output position")
+def _seeded_restart(mp: pytest.MonkeyPatch) -> None:
+    # The position-keyed rule takes a depth-d node's uniform at output position start + d; with every
+    # start at 0 a step reuses the numbers of the request's first tokens (the numbers then follow the
+    # tree's consumption, as a generator stream did: both the law and the seed's text change).
+    original = PositionKeys.uniforms
+
+    def restarted(self: PositionKeys, max_depth: int) -> torch.Tensor:
+        if any(self.starts):
+            HITS["seeded-restart"] += 1
+        return original(dataclasses.replace(self, starts=(0,) * len(self.starts)), max_depth)
+
+    mp.setattr(PositionKeys, "uniforms", restarted)
 
 
 @mutant("greedy-nonargmax", "greedy accepts the first child in the target's top 2, not only the argmax", "greedy")

@@ -11,12 +11,13 @@ import torch
 from tests.core.strategies import random_tree
 from tests.mutants.mutants import HITS, MUTANTS
 from trtllm_moespec.core import SamplingConfig, build_layout, top_k_nodes, verify_tree
+from trtllm_moespec.core.seeded import PositionKeys
 
 VOCAB = 6
 
 
 def _outcomes(batch_size: int, cfg: SamplingConfig, seeds=range(6)) -> list[torch.Tensor]:
-    """Emitted ids of verify_tree on random trees and logits, with fixed uniforms."""
+    """Emitted ids of verify_tree on random trees and logits, with fixed uniforms (and fixed keys)."""
     out = []
     for seed in seeds:
         rng = np.random.default_rng(seed)
@@ -26,6 +27,8 @@ def _outcomes(batch_size: int, cfg: SamplingConfig, seeds=range(6)) -> list[torc
         logits = 2 * torch.randn(batch_size, layout.num_positions, VOCAB, generator=g)
         u = torch.rand(batch_size, layout.num_positions + 1, generator=g, dtype=torch.float64)
         out.append(verify_tree(layout, logits, [cfg] * batch_size, uniforms=u).emitted_ids)
+        keys = PositionKeys(tuple(range(batch_size)), (seed,) * batch_size)  # the seeded rule, at output position `seed`
+        out.append(verify_tree(layout, logits, [cfg] * batch_size, seeds=keys).emitted_ids)
     return out
 
 
