@@ -4,17 +4,19 @@
 #
 #   bash build_scripts/make_base.sh tokenizer   # encode the corpus with moespec-tiny's tokenizer (~30 s)
 #   bash build_scripts/make_base.sh target      # train the target, warm-started from moespec-tiny (TARGET_MIN minutes)
+#   bash build_scripts/make_base.sh drafter-early   # meanwhile, on the other core: the drafter against an early
+#                                              # checkpoint of the target (stopped when the target is done)
 #   bash build_scripts/make_base.sh resume      # a later segment on any machine: a new run from the shipped target
 #   bash build_scripts/make_base.sh family      # export the target, then drafter, draft vocabulary, predictor head,
 #                                              # calibrator prior, cost profile and the report
-# Environment: TARGET_MIN (default 65), EAGLE3_MIN (25), HEAD_MIN (4), LR (6e-4, the target's peak).
+# Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
 A=trtllm_moespec/assets/moespec-base
 R=runs/base
 mkdir -p runs/logs
-step="${1:?usage: make_base.sh tokenizer|target|resume|family}"
+step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family}"
 
 case "$step" in
 tokenizer)
@@ -27,14 +29,20 @@ resume)
   # a fresh machine has no optimizer state: start a new segment from the shipped (exported) target
   python build_scripts/train_model.py $F target --minutes "${TARGET_MIN:-65}" --batch-size 4 --lr "${LR:-3e-4}" \
     --threads 1 --out "$R/target_$(date +%Y%m%d%H%M)" --init-from "$A/target" 2>&1 | tee runs/logs/base_resume.log ;;
+drafter-early)
+  python build_scripts/train_model.py $F export-target --out "$R/target_early"
+  python build_scripts/train_model.py $F eagle3 --target "$R/target_early" --minutes 60 --threads 1 2>&1 \
+    | tee runs/logs/base_eagle3.log ;;
 family)
   RUN="${RUN:-$R/target}"
   python build_scripts/train_model.py $F export-target --run "$RUN"
-  python build_scripts/train_model.py $F eagle3 --minutes "${EAGLE3_MIN:-25}" --threads 2 2>&1 | tee runs/logs/base_eagle3.log
+  # the drafter follows the final target in an appended segment (from scratch: eagle3 --minutes EAGLE3_MIN)
+  python build_scripts/train_model.py $F eagle3 --resume --extend-minutes "${EAGLE3_MIN:-15}" --extend-lr 1e-3 \
+    --threads 2 2>&1 | tee runs/logs/base_eagle3_final.log
   python build_scripts/train_model.py $F export-eagle3
   python -m benchmarks.draft_vocab --model moespec-base --pruned 512 --spec-prompts 1 --prompts 4 --export 512 \
     --out benchmarks/results/base/draft_vocab_cpu.json 2>&1 | tee runs/logs/base_draft_vocab.log
-  python build_scripts/train_model.py $F predictor-head --minutes "${HEAD_MIN:-4}" --train-windows 192 --threads 2 \
+  python build_scripts/train_model.py $F predictor-head --minutes "${HEAD_MIN:-4}" --train-windows 128 --threads 1 \
     2>&1 | tee runs/logs/base_predictor_head.log
   python build_scripts/train_model.py $F export-predictor-head
   # calibrator prior: T=0 and T=1 records on prompts after the bench's first 8 of each dataset
@@ -43,9 +51,9 @@ family)
   moespec replay record --model moespec-base --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 --num-prompts 2 \
     --max-tokens 64 --temperature 1 --no-hidden --out "$R/replay/train_t1.safetensors"
   moespec replay fit-calibrator "$R/replay/train_t0.safetensors" "$R/replay/train_t1.safetensors" --out "$A/values/calibrator.json"
-  moespec profile --model moespec-base --repeats 20 --out "$A/cost_profile.json" | tee benchmarks/results/base/profile.txt
   python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 \
-    --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log ;;
+    --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
+  moespec profile --model moespec-base --repeats 20 --out "$A/cost_profile.json" | tee benchmarks/results/base/profile.txt ;;
 *)
   echo "unknown step $step" >&2; exit 2 ;;
 esac
