@@ -24,7 +24,7 @@ def paths():
 def test_the_shipped_family_is_complete_and_in_the_regime(paths):
     config = json.loads((paths["target"] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert config["num_experts"] >= 32 and config["num_experts_per_tok"] >= 4 and config["mlp_only_layers"] == []
+    assert config["num_local_experts"] >= 32 and config["num_experts_per_tok"] >= 4 and config["mlp_only_layers"] == []
     assert (paths["target"] / "model.safetensors").stat().st_size <= 96 * 2**20
     for key in ("draft", "predictor_head"):  # the EAGLE-3 drafter and our draft-head expert predictor
         assert (paths[key] / "config.json").is_file(), key
