@@ -58,6 +58,7 @@ class Request:
     grammar: GrammarState | None = None  # its structured-output constraint (None: free text)
     features: SequenceFeatures | None = None  # committed positions' target features, followed for the prefix cache
     prefix_cached: bool = False  # the engine keeps the request's K/V for the prefix cache when it finishes
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (not prefilled)
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
     stop_trim: int = 0  # characters a stop string cut off the end of the output tokens' text (detokenize.StopCut)
@@ -132,7 +133,10 @@ class SpecEngine:
             return TargetOutput(out.logits[:, -1:], out.hidden, out.expert_ids), None
         if self.prefix_cache is None:
             return self.target.prefill(cache, prompt), None
-        return self.prefix_cache.prefill(cache, prompt)
+        reused = self.prefix_cache.reused_tokens
+        out = self.prefix_cache.prefill(cache, prompt)
+        request.cached_tokens = self.prefix_cache.reused_tokens - reused
+        return out
 
     def track(self, request: Request, prefill: TargetOutput) -> TargetOutput:
         """With a prefix cache: the request's K/V will be kept when it finishes, and, when the drafter reads
