@@ -15,16 +15,12 @@ import pytest
 from trtllm_moespec import SamplingParams
 from trtllm_moespec.serve.server import ServerThread
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+from .sse import TEMPLATE, metric_values
+from .sse import run as _run
+
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# a comment\n",
            "def main():\n"]
 MAX_TOKENS = 12
-TIMEOUT_S = 180
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
 async def _chunks(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
@@ -91,7 +87,7 @@ def test_concurrent_clients_get_their_single_request_outputs(tiny_llm):
     body = plain.json()
     assert plain.status_code == 200 and [c["text"] for c in body["choices"]] == expected
     assert body["usage"]["completion_tokens"] == MAX_TOKENS * len(PROMPTS)
-    values = dict(line.split() for line in metrics.splitlines() if not line.startswith("#"))
+    values = metric_values(metrics)
     assert float(values["moespec_requests_finished_total"]) == 2 * len(PROMPTS) + 1  # nothing lost
     assert float(values["moespec_generated_tokens_total"]) == MAX_TOKENS * (2 * len(PROMPTS) + 1)
     assert 1 <= float(values["moespec_mean_batch_size"]) <= 3 and float(values["moespec_verified_tokens"]) > 0
@@ -455,19 +451,27 @@ def test_a_chats_next_turn_reuses_the_conversation_and_answers_the_same(tiny_llm
 
     def chat(server, messages):
         body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
 
-    answers = []
+    answers, usages = [], []
     for llm in (tiny_llm, cached):
         with ServerThread(llm, max_batch_size=2, chat_template=TEMPLATE) as server:
             first = chat(server, turn1)
-            turn2 = turn1 + [first, {"role": "user", "content": "now sort it as well"}]
-            answers.append((first["content"], chat(server, turn2)["content"]))
-            metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+            turn2 = turn1 + [first["choices"][0]["message"], {"role": "user", "content": "now sort it as well"}]
+            second = chat(server, turn2)
+            answers.append((first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"]))
+            usages.append((first["usage"], second["usage"]))
+            metrics = metric_values(httpx.get(f"{server.url}/metrics", timeout=30).text)
     assert answers[0] == answers[1]
     pc = cached.engine.prefix_cache
     assert pc.hits == 1 and pc.reused_tokens > 20
-    assert "moespec_prefix_cache_hits_total 1\n" in metrics and f"moespec_prefix_cache_reused_tokens_total {pc.reused_tokens}" in metrics
+    assert metrics["moespec_prefix_cache_hits_total"] == 1
+    assert metrics["moespec_prefix_cache_reused_tokens_total"] == pc.reused_tokens
+    assert metrics['vllm:prefix_cache_hits_total{model_name="moespec"}'] == pc.reused_tokens
+    # usage.prompt_tokens_details.cached_tokens: the prefix cache's share of turn 2 (none without a cache)
+    assert "prompt_tokens_details" not in usages[0][1]
+    assert usages[1][0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usages[1][1]["prompt_tokens_details"] == {"cached_tokens": pc.reused_tokens}
 
 
 def test_n_choices_are_the_requests_of_seed_plus_j(tiny_llm):

@@ -96,6 +96,7 @@ class GenerationRequest:
     # continue_final_message, and reasoning_effort for GPT-OSS's template)
     template_kwargs: tuple[tuple[str, Any], ...] = (("add_generation_prompt", True),)
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (and this many alternatives) returned
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -198,6 +199,11 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRequest("'stream_options' must be an object and needs stream=true", "stream_options")
+    options = options or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"})
+    if unknown or not all(isinstance(v, bool) for v in options.values()):  # include_obfuscation: OpenAI's, ignored
+        raise BadRequest("'stream_options' takes include_usage and continuous_usage_stats (and OpenAI's "
+                         "include_obfuscation, ignored), each true or false", "stream_options")
     stop, ignore_eos, keep_stop = _stop(body.get("stop")), _bool(body, "ignore_eos"), _bool(body, "include_stop_str_in_output")
     skip_special = body.get("skip_special_tokens", True)
     if not isinstance(skip_special, bool):
@@ -210,7 +216,7 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
     rules = {name: _number(body, name, off) for name, off in NUMERIC_RULES}
     rules.update(logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=body.get("min_tokens") or 0,
                  stop_token_ids=body.get("stop_token_ids") or None, structured=_structured(body),
-                 allowed_token_ids=body.get("allowed_token_ids") or None, bad_words=_bad_words(body.get("bad_words")))
+                 allowed_token_ids=body.get("allowed_token_ids"), bad_words=_bad_words(body.get("bad_words")))
     calling = tools.constraint() if tools is not None else None
     if calling is not None:
         if rules["structured"] is not None:
@@ -230,9 +236,9 @@ def _request(body: dict, prompts, messages, max_tokens, default_max_tokens, logp
         raise BadRequest(str(e), name if name in body else None) from None
     if n > 1 and seed is not None and seed + n > MAX_SEED:
         raise BadRequest("'seed' + n must stay below 2^63 (choice j samples with seed + j)", "seed")
-    return GenerationRequest(model, prompts, messages, params, max_tokens, stream,
-                             bool((options or {}).get("include_usage", False)), n, echo, tools, truncate,
-                             add_special_tokens, template_kwargs, prompt_logprobs)
+    return GenerationRequest(model, prompts, messages, params, max_tokens, stream, options.get("include_usage", False),
+                             n, echo, tools, truncate, add_special_tokens, template_kwargs, prompt_logprobs,
+                             options.get("continuous_usage_stats", False))
 
 
 def _prompt_logprobs(body: dict, echoed: int | None, stream: bool) -> int | None:
@@ -438,6 +444,10 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `cached_tokens` (None: no prefix cache) goes to prompt_tokens_details."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
