@@ -115,8 +115,8 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ rais
 
 
 def test_bad_bodies_get_openai_json_errors(tiny_llm):
-    """cases serve-lone-surrogate, serve-nested-json, serve-unknown-path, serve-template-raises,
-    serve-failure-counters: every failure is OpenAI's JSON error object (no plain-text 500, no
+    """case serve-lone-surrogate, case serve-nested-json, case serve-unknown-path, case serve-template-raises,
+    case serve-failure-counters: every failure is OpenAI's JSON error object (no plain-text 500, no
     traceback), and /metrics counts the 400s and the 500s."""
     bodies = {
         "surrogate": b'{"prompt": "a\\ud800b", "max_tokens": 2}',
@@ -177,7 +177,7 @@ def test_a_broken_chat_template_stops_the_server_at_start_up(tiny_llm, tmp_path,
 
 
 def test_admission_queues_by_default_and_refuses_only_what_never_fits(tiny_llm):
-    """cases serve-queue-by-default, serve-never-fits: with the defaults one request of 80 sequences (the
+    """case serve-queue-by-default, case serve-never-fits: with the defaults one request of 80 sequences (the
     old bound was 72 waiting or running) is queued and answered; with --max-queue 2 and one slot, a
     request of 4 sequences can never fit (400, nothing cancelled), and one beyond the full queue gets
     503 with Retry-After."""

@@ -91,7 +91,7 @@ def _serve(extra: list[str]) -> tuple[subprocess.Popen, str, list[str], threadin
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_moespec_serve_exits_0_without_a_traceback_on_a_signal(sig):
-    """cases serve-sigterm-exit-0, serve-sigint-no-traceback: a real process with a stream in flight gets
+    """case serve-sigterm-exit-0, case serve-sigint-no-traceback: a real process with a stream in flight gets
     the signal; the stream ends with a terminal event, the process exits 0 within the timeout and prints
     no traceback (it was: SIGTERM -> exit 143 after streams were cut with none; SIGINT -> two
     CancelledError tracebacks)."""
