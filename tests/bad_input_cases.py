@@ -73,6 +73,39 @@ CASES: tuple[Case, ...] = (
     Case("policy-choice", "CLI", "`--policy fastest`", "error: invalid choice, the policies listed"),
     Case("help-texts", "CLI", "`moespec generate --help`, `moespec bench --help`",
          "every generate option has help; bench shows its defaults"),
+    # --- the server (issue 27): real servers over loopback, tests/serve/test_robustness.py, test_shutdown.py
+    Case("serve-10mb-prompt", "serve", "a 10 MB prompt to `/v1/completions`",
+         "413 under the default `--max-request-bytes` (8 MiB), on its Content-Length before the body is read "
+         "(was: tokenized on the event loop: /health waited 21-23 s, a stream 43 s, RSS 0.6 -> 2.4 GB)"),
+    Case("serve-health-during-tokenize", "serve", "a 1 MB prompt with `--max-request-bytes` raised",
+         "tokenized in a worker thread: /health answers and other streams go on meanwhile; then 400 (too long)"),
+    Case("serve-lone-surrogate", "serve", "a lone surrogate (`\"\\ud800\"`) in a prompt or a message",
+         "400 naming the field (`prompt`, `messages[0].content`) (was: plain-text 500 and a traceback)"),
+    Case("serve-nested-json", "serve", "100,000-level nested JSON (or 200 levels in any field)",
+         "400: nested deeper than 128 levels (was: plain-text 500 and a RecursionError traceback)"),
+    Case("serve-unknown-path", "serve", "an unknown path, a wrong method, a bug inside a handler",
+         "OpenAI's JSON error: 404, 405, 500 with its message (one log line, no traceback)"),
+    Case("serve-template-raises", "serve", "a chat template that raises on the conversation (`raise_exception`)",
+         "400 carrying the template's message"),
+    Case("serve-chat-template-error", "serve", "`--chat-template` with a Jinja syntax error, or one that cannot "
+         "render one user message", "exit 2, one line naming the file and the line (a syntax error: before the "
+         "model loads) (was: the server started, then every chat failed)"),
+    Case("serve-queue-by-default", "serve", "more than 72 requests waiting or running, with the defaults",
+         "they wait their turn (was: 503)"),
+    Case("serve-never-fits", "serve", "one request of more sequences (prompts x n) than batch + `--max-queue`",
+         "400 (`param` `n`), nothing queued or cancelled; beyond a full bounded queue, 503 with `Retry-After` "
+         "(was: 503 on an idle server, counted as 72 cancellations)"),
+    Case("serve-failure-counters", "serve", "requests answered 400 or 500",
+         "counted in `moespec_request_errors_total{status_code}`, the 500s in `moespec_requests_failed_total` "
+         "(was: 0 through the 500s)"),
+    Case("serve-load-100", "serve", "100 concurrent clients against the default settings",
+         "every one answered, 0 errors"),
+    Case("serve-sigterm-drain", "serve", "SIGTERM with streams in flight",
+         "short ones finish; at `--shutdown-timeout` the rest end with an error event (code 503) and `[DONE]` "
+         "(was: 5 s more decoding, then cut with no terminal event)"),
+    Case("serve-sigterm-exit-0", "serve", "SIGTERM to `moespec serve`", "drains, exit 0 (was: exit 143)"),
+    Case("serve-sigint-no-traceback", "serve", "Ctrl-C on `moespec serve`",
+         "drains as SIGTERM does, exit 0, no traceback (was: two CancelledError tracebacks)"),
     # --- the next ten of the same kind
     Case("sampling-field-types", "API", "`SamplingParams(temperature='hot')`, `top_k=True`, `max_tokens=True`",
          "error naming the field (was: float() message, or True silently meaning 1)"),
