@@ -9,8 +9,10 @@ import random
 
 import pytest
 
-from tests.engine.conftest import forced_speculation
-from trtllm_moespec import LLM, SamplingParams
+from tests.engine.conftest import TINY_TARGET, forced_speculation
+from tests.engine.distribution import assert_follows, draw, exact_first_tokens
+from tests.engine.test_logit_rules import penalize
+from trtllm_moespec import LLM, SamplingParams, TreeConfig
 from trtllm_moespec.engine.batch_cost import GoodputGuard
 from trtllm_moespec.engine.guard import GuardState
 
@@ -75,3 +77,18 @@ def test_same_seed_same_text_and_different_seeds_differ():
     again = [llm.generate([PROMPTS[0]], _params(seed=seed))[0].token_ids for seed in (SEED, SEED + 1, SEED + 2)]
     assert first == again
     assert len({tuple(ids) for ids in first}) == 3
+
+
+def test_seeded_tokens_follow_the_penalized_law_at_each_node():
+    """The position-keyed rule samples each node from its own processed distribution: the first three
+    tokens (each penalized by the earlier ones, also inside the tree) against the exact penalized top-k
+    law of tests/engine/distribution.py, seeds 0..399 in batches of 16, drafts accepted at depth 1."""
+    llm = LLM("moespec-tiny", policy="eagle3", tree=TreeConfig(steps=3, topk=2, max_draft_tokens=6))
+    prompt = llm.encode([PROMPTS[0]])[0]
+    exact = exact_first_tokens(TINY_TARGET, prompt, 3, top_k=3,
+                               adjust=lambda logits, output: penalize(logits, prompt, output, 0.5, 1.0, 1.5))
+    draws = draw(llm, prompt, lambda seed: SamplingParams(
+        max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True, presence_penalty=0.5,
+        frequency_penalty=1.0, repetition_penalty=1.5), 400, batch_size=16, seeded=True)
+    assert draws.accepted >= 86, draws.accepted  # half of those measured (172 of 400)
+    assert_follows(draws, exact)
