@@ -116,3 +116,14 @@ def test_moespec_serve_exits_0_without_a_traceback_on_a_signal(sig):
     assert done and payloads[-1]["error"]["code"] == 503, payloads[-1]
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err and "CancelledError" not in err, err[-3000:]
+
+
+def test_worker_threads_do_not_hold_the_process_at_exit():
+    """A job still running in the server's worker pool (a prompt of megabytes being tokenized when
+    SIGTERM comes) must not keep the process alive past its shutdown: the process exits at once."""
+    code = ("import threading; from trtllm_moespec.serve.state import WorkerPool; "
+            "pool = WorkerPool(2, 'w'); pool.submit(threading.Event().wait); pool.submit(lambda: 1).result(); "
+            "print('exiting', flush=True)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr[-2000:]

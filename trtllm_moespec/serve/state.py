@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -82,14 +83,14 @@ class Server:
         self.created = now()
         self.tokenizer_lock = threading.Lock()  # the model's tokenizer: make_request and the stop checks
         self._local = threading.local()  # this thread's copy of the tokenizer
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="moespec-prepare")
+        self.pool = WorkerPool(workers, "moespec-prepare")
 
     async def run(self, fn: Callable, *args) -> Any:
         """`fn(*args)` in a worker thread (tokenizing, templates, grammars: never on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     # ------------------------------------------------------------------ requests (worker threads)
     def prepare_body(self, raw: bytes, chat: bool) -> tuple[GenerationRequest, list[Choice]]:
@@ -163,7 +164,8 @@ class Server:
         if unread is not None:
             raise BadRequest(f"the chat template does not read '{unread}'", "reasoning_effort"
                              if unread == "reasoning_effort" else "chat_template_kwargs")
-        ids = render_chat(tokenizer, template, list(messages), tools=list(tools) if tools else None, **kwargs)
+        ids = render_chat(tokenizer, template, list(messages), self.encode_text, tools=list(tools) if tools else None,
+                          **kwargs)
         if not ids:
             raise ValueError("the chat template produced an empty prompt")
         return [int(t) for t in ids]
@@ -236,16 +238,61 @@ class Server:
                 self.scheduler.cancel(choice.ticket)
 
 
-def render_chat(tokenizer, template: str, messages: list[dict], **kwargs) -> list[int]:
-    """apply_chat_template's token ids; a template that fails on this conversation is a BadRequest
-    carrying its message (templates raise for conversations they do not take, e.g. roles out of order)."""
+class WorkerPool(Executor):
+    """A fixed pool of daemon threads (what `Server.run` hands work to). ThreadPoolExecutor's threads
+    are joined at interpreter exit, so a prompt of megabytes still being tokenized when SIGTERM comes
+    would hold the process past --shutdown-timeout; these threads end with the process."""
+
+    def __init__(self, workers: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = False, *, cancel_futures: bool = True) -> None:
+        """Stop the threads once their current job is done; jobs not started are cancelled."""
+        while cancel_futures:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                future.set_exception(e)
+
+
+def render_chat(tokenizer, template: str, messages: list[dict], encode: Callable[[str], list[int]] | None = None,
+                **kwargs) -> list[int]:
+    """apply_chat_template's token ids: the rendered text through `encode` (default: the tokenizer's,
+    without special tokens: the template placed them), as apply_chat_template(tokenize=True) encodes
+    it. A template that fails on this conversation is a BadRequest carrying its message (templates
+    raise for conversations they do not take, e.g. roles out of order)."""
     import jinja2
 
     try:
-        ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
     except jinja2.TemplateError as e:
         raise BadRequest(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return encode(text) if encode is not None else list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def compile_chat_template(source: str, name: str) -> None:
