@@ -132,6 +132,37 @@ CASES: tuple[Case, ...] = (
          "parse)", "error naming the constraint and xgrammar's reason, before anything is generated"),
     Case("logit-bias-outside-vocab", "API", "`logit_bias={10**6: 1.0}` on a 4096-token model",
          "error naming the vocabulary size, before generating"),
+    # --- issue 27: files, API shapes, the CLI's words
+    Case("bench-output-unwritable", "CLI", "`moespec bench --json` (or `profile --out`, `replay record --out`) "
+         "in a folder no file can be created in", "error naming the flag and the folder, before the run (was: the "
+         "whole measurement, then the report lost)"),
+    Case("profile-out-unwritable", "CLI", "`moespec profile --out /sys/moespec/p.json`",
+         "error naming `--out`, before anything is measured"),
+    Case("replay-out-unwritable", "CLI", "`moespec replay record --out` in a folder that cannot take files",
+         "error naming `--out`, before anything is recorded"),
+    Case("bench-final-write-fails", "bench", "the disk fills up (or turns read-only) during `bench --json/--markdown`",
+         "the report goes to the temporary directory (else stdout), stderr names where, exit 1 (was: lost)"),
+    Case("profile-final-write-fails", "bench", "the final write of `moespec profile` fails",
+         "the profile goes to the temporary directory (else stdout), stderr names where, exit 1"),
+    Case("bench-sigterm", "bench", "SIGTERM during `moespec bench` (what `timeout`, CI and `kill` send)",
+         "handled as Ctrl-C: a partial report (`NAME.partial.json` beside a finished one), exit 143 (was: nothing kept)"),
+    Case("report-umask", "bench", "reports, profiles and replay records written under umask 022",
+         "mode 0644 (0o666 less the umask; an existing file keeps its mode) (was: 0600 from tempfile / safetensors)"),
+    Case("generation-config-broken", "CLI", "a `generation_config.json` that is not valid JSON",
+         "error naming the file and the position (was: silently ignored, and the eos ids come from it)"),
+    Case("generation-config-eos", "CLI", "`generation_config.json` with `\"eos_token_id\": \"</s>\"`",
+         "error naming the file and `eos_token_id`"),
+    Case("tokenizer-json-broken", "CLI", "a `tokenizer.json` that is not valid JSON",
+         "error naming the file and the position, before any weights load (was: JSONDecodeError traceback)"),
+    Case("allowed-token-ids-empty", "API", "`SamplingParams(allowed_token_ids=[])` (server: `\"allowed_token_ids\": []`)",
+         "error: no token could be drawn, as vLLM refuses it (was: no restriction)"),
+    Case("cli-names-flags", "CLI", "`moespec generate --model DIR --policy eagle3` without a drafter (any API error)",
+         "the message names `--draft-model DIR` and `--drafter ngram`, not `draft_model=` (was: Python arguments)"),
+    Case("speculative-config-twice", "API", "`LLM(policy='ar', speculative_config=MoESpecConfig(...))`",
+         "error naming the keywords given in both places (one would be silently ignored)"),
+    Case("sampling-params-per-prompt", "API", "`generate(prompts, [sp])` with fewer SamplingParams than prompts, "
+         "or a dict", "error: one SamplingParams for all, or one per prompt (was: AttributeError)"),
+    Case("stream-n", "API", "`llm.stream(prompt, SamplingParams(n=2))`", "error: stream() decodes one completion"),
 )
 
 

@@ -66,7 +66,8 @@ def test_n_completions_are_the_seeded_requests_of_each(ar):
 
 
 def test_a_list_of_sampling_params_applies_one_per_prompt(ar):
-    """vLLM's `generate(prompts, [sp1, sp2])` (was: AttributeError)."""
+    """vLLM's `generate(prompts, [sp1, sp2])` (was: AttributeError); (case sampling-params-per-prompt) a list
+    of another length, or not SamplingParams, is one clear error."""
     out = ar.generate(PROMPTS, [SamplingParams(max_tokens=3), SamplingParams(max_tokens=7, n=2)])
     assert [len(o.token_ids) for o in out] == [3, 7] and [len(o.outputs) for o in out] == [1, 2]
     assert out[0].token_ids == ar.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0].token_ids
@@ -89,7 +90,8 @@ def test_chat_returns_a_list(ar):
 
 def test_stream_yields_documented_events(ar):
     """`stream()` yields StreamEvent: the new text (`text`, TensorRT-LLM's `text_diff`) and tokens per step,
-    the last one `finished` with the RequestOutput; joined texts == the final text."""
+    the last one `finished` with the RequestOutput; joined texts == the final text. (case stream-n) n > 1
+    is refused: a stream is one completion."""
     params = SamplingParams(max_tokens=10)
     events = list(ar.stream(PROMPTS[0], params))
     assert all(isinstance(e, StreamEvent) for e in events)
@@ -133,8 +135,8 @@ def test_speculative_config_resolves_as_the_flat_keywords(ar, eagle3):
 
 
 def test_speculative_config_and_a_flat_keyword_together_are_refused():
-    """A flat keyword away from its default beside speculative_config would be silently ignored: refused,
-    before anything loads."""
+    """(case speculative-config-twice) A flat keyword away from its default beside speculative_config would be
+    silently ignored: refused, before anything loads."""
     with pytest.raises(ValueError, match="^policy, guard given both as keyword"):
         LLM("moespec-tiny", policy="ar", guard="off", speculative_config=MoESpecConfig(policy="eagle3"))
     with pytest.raises(ValueError, match="speculative_config must be a MoESpecConfig, got dict"):
@@ -148,3 +150,16 @@ def test_speculative_config_and_a_flat_keyword_together_are_refused():
     config = MoESpecConfig(policy="eagle3", policy_options=options)
     options["budget"] = 99
     assert config.policy_options == {"budget": 4}  # a copy: the frozen config does not change under its caller
+
+
+def test_empty_allowed_token_ids_are_refused():
+    """(case allowed-token-ids-empty) `allowed_token_ids=[]` would allow no token; it meant "no restriction".
+    Refused, as vLLM refuses it; None still allows every token."""
+    for empty in ([], (), set()):
+        with pytest.raises(ValueError, match="^allowed_token_ids is empty: no token could be drawn"):
+            SamplingParams(allowed_token_ids=empty)
+    for bad in (5, "ab", [1, -1]):
+        with pytest.raises(ValueError, match="^allowed_token_ids must be a list of token ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=None).logit_rules().allowed == ()
+    assert SamplingParams(allowed_token_ids=[7, 3, 7]).allowed_token_ids == (3, 7)

@@ -90,6 +90,12 @@ def files(tmp_path_factory):
     shutil.copytree(target, listed)
     (listed / "config.json").write_text("[1, 2]")
     f["listed"] = listed
+    for name, file, text in (("badgen", "generation_config.json", '{"eos_token_id": [1,'),
+                             ("badeos", "generation_config.json", '{"eos_token_id": "</s>"}'),
+                             ("badtok", "tokenizer.json", '{"version": "1.0", "trunc')):
+        shutil.copytree(tok if name == "badtok" else target, root / name)
+        (root / name / file).write_text(text)
+        f[name] = root / name
 
     profile = json.loads((target / "cost_profile.json").read_text())
     (root / "em.json").write_text(json.dumps(dict(profile, expert_model={"c0": "x"})))
@@ -118,7 +124,7 @@ CLI_CASES = {
     "structured-bad-regex": (["generate", "--regex", "("],
                              r"cannot compile the regex constraint: Regex parsing error at position 2"),
     "penalty-out-of-range": (["generate", "--presence-penalty", "3"],
-                             r"presence_penalty must be a number in \[-2, 2\], got 3\.0"),
+                             r"--presence-penalty must be a number in \[-2, 2\], got 3\.0"),
     "threads-out-of-range": (["generate", "--threads", "0"], r"--threads: must be an integer >= 1, got 0"),
     "prompt-file-directory": (["generate", "--prompt-file", "{root}"], r"--prompt-file .* is a directory"),
     "prompt-file-not-utf8": (["generate", "--prompt-file", "{latin1}"],
@@ -142,9 +148,24 @@ CLI_CASES = {
     "hidden-size-mismatch": (["generate", "--model", "{hidden}", "--policy", "ar"],
                              r"does not match its config\.json: .* config\.json implies"),
     "prompt-too-long": (["generate", "--model", "{tok}", "--policy", "ar", "--prompt-file", "{long}"],
-                        r"prompt of \d+ tokens plus max_tokens=64 exceeds the model's context of 512 tokens"),
+                        r"prompt of \d+ tokens plus --max-tokens 64 exceeds the model's context of 512 tokens"),
     "max-tokens-huge": (["generate", "--model", "{tok}", "--policy", "ar", "--prompt", "hello",
-                         "--max-tokens", "1000000000"], r"max_tokens=1000000000 exceeds the model's context"),
+                         "--max-tokens", "1000000000"], r"--max-tokens 1000000000 exceeds the model's context"),
+    # issue 27: flags, not Python arguments; files checked before the long work; broken JSON files named
+    "cli-names-flags": (["generate", "--model", "{target}", "--policy", "eagle3"],
+                        r"no draft model was given: pass --draft-model DIR \(SpecForge format\) or --drafter ngram$"),
+    "generation-config-broken": (["generate", "--model", "{badgen}", "--policy", "ar"],
+                                 r"badgen/generation_config\.json is not valid JSON \(line 1 column \d+"),
+    "generation-config-eos": (["generate", "--model", "{badeos}", "--policy", "ar"],
+                              r"badeos/generation_config\.json: eos_token_id must be a token id or a list"),
+    "tokenizer-json-broken": (["generate", "--model", "{badtok}", "--policy", "ar"],
+                              r"badtok/tokenizer\.json is not valid JSON \(line 1 column \d+"),
+    "profile-out-unwritable": (["profile", "--model", "{target}", "--draft-model", "{draft}", "--out",
+                                "/sys/moespec/p.json"], r"--out /sys/moespec/p\.json: cannot create files in /sys"),
+    "bench-output-unwritable": (["bench", "--model", "{target}", "--draft-model", "{draft}", "--json",
+                                 "/sys/moespec/r.json"], r"--json /sys/moespec/r\.json: cannot create files in /sys"),
+    "replay-out-unwritable": (["replay", "record", "--model", "{target}", "--out", "/sys/moespec/r.safetensors"],
+                              r"--out /sys/moespec/r\.safetensors: cannot create files in /sys"),
 }
 
 

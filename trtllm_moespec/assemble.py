@@ -82,7 +82,11 @@ def load_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:  # transformers and tokenizers raise many kinds; the user needs the files named
+        raise ValueError(f"the tokenizer files in {path} (tokenizer.json, tokenizer_config.json) cannot be "
+                         f"loaded: {type(e).__name__}: {e}") from e
 
 
 def _draft_source(config: ResolvedConfig, target: "TargetModel"):

@@ -287,13 +287,51 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, OSError, KeyError) as e:  # OSError: FileNotFoundError, IsADirectoryError, PermissionError
         if isinstance(e, BrokenPipeError):
             return _broken_pipe()
-        print(f"moespec: error: {e}", file=sys.stderr)
+        print(f"moespec: error: {flag_message(str(e), parser)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if argv is None:
             _ignore_sigint()
         print("\nmoespec: interrupted", file=sys.stderr)
         return 130
+
+
+def flag_message(message: str, parser: argparse.ArgumentParser) -> str:
+    """An error of the Python API in the command line's words: `draft_model=DIR` -> `--draft-model DIR`,
+    `cuda_graphs=True` -> `--cuda-graphs`, `presence_penalty must` -> `--presence-penalty must`, for the
+    options of `parser` and its subcommands. One-word names (model, policy) are rewritten only in the
+    `name=value` form: bare, they are ordinary words of the message."""
+    for dest, (flag, negative) in sorted(_option_flags(parser).items(), key=lambda kv: -len(kv[0])):
+        head = rf"(?<![\w./-]){re.escape(dest)}"
+        if negative is not None:  # a switch: store_true ("" : no negative form) or --x / --no-x
+            message = re.sub(head + r"=True\b", flag, message)
+            if negative:
+                message = re.sub(head + r"=False\b", negative, message)
+        message = re.sub(head + r"""=(?:'([^']*)'|"([^"]*)"|([^\s,;)'"]+))""",
+                         lambda m: f"{flag} {m[1] if m[1] is not None else m[2] if m[2] is not None else m[3]}", message)
+        if "_" in dest:
+            message = re.sub(head + r"(?![\w/=])", flag, message)
+    return message
+
+
+def _option_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str | None]]:
+    """dest -> (its long flag, None when it takes a value, else the flag that sets it False or "")."""
+    flags: dict[str, tuple[str, str | None]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags.update({k: v for k, v in _option_flags(sub).items() if k not in flags})
+            continue
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if not long or action.dest in (argparse.SUPPRESS, "help"):
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags[action.dest] = (long[0], next((o for o in long if o.startswith("--no-")), None))
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            flags[action.dest] = (long[0], "")
+        else:
+            flags[action.dest] = (long[0], None)
+    return flags
 
 
 def _broken_pipe() -> int:

@@ -219,6 +219,38 @@ def check_target_dir(path: Path) -> None:
 
     config = check_safetensors_dir(path, what="target checkpoint")
     arch_spec((config.get("architectures") or ["<missing 'architectures' in config.json>"])[0])
+    check_checkpoint_json(path)
+
+
+# The JSON files transformers reads beside config.json. It skips a generation_config.json it cannot
+# parse without a word (and the eos ids come from it), and fails on a broken tokenizer.json with a JSON
+# error that names no file: each is checked here, its error naming the file.
+CHECKPOINT_JSON = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_checkpoint_json(path: Path) -> None:
+    """Each of CHECKPOINT_JSON present in `path` holds a JSON object; generation_config.json's eos_token_id
+    is a token id or a list of them."""
+    import json
+
+    for name in CHECKPOINT_JSON:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); fix or "
+                             "remove it") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+        eos = data.get("eos_token_id") if name == "generation_config.json" else None
+        ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and not (ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids)):
+            raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
 
 
 def check_tree_fits_drafter(tree: TreeConfig, draft: Path) -> None:

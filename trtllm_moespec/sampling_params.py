@@ -47,7 +47,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] | None = None  # more tokens that end the output (kept), also with ignore_eos
-    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be drawn (None: all)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these tokens may be drawn (None: all; [] refused)
     bad_words: tuple[str, ...] | None = None  # vLLM's: words never completed (as tokenized alone and after a space)
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after top-k); 0 = off
     # The output must match this (JSON, a JSON schema, a regex, a choice, an EBNF grammar; engine/structured.py):
@@ -91,10 +91,13 @@ class SamplingParams:
             raise ValueError("structured output ends at the model's eos: it cannot be used with ignore_eos or "
                              "min_tokens")
         if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if isinstance(ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in ids):
-                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {ids!r}")
-            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))) or None)
+            given = self.allowed_token_ids
+            ids = tuple(given) if isinstance(given, (list, tuple, set, frozenset, range)) else None
+            if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids >= 0, got {given!r}")
+            if not ids:  # vLLM refuses it too ("allowed_token_ids is not None and empty!")
+                raise ValueError("allowed_token_ids is empty: no token could be drawn (None allows every token)")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
             if self.structured is not None:  # each restricts the tokens: a grammar's next one might not be allowed
                 raise ValueError("allowed_token_ids cannot be combined with structured output")
         if self.bad_words is not None:

@@ -4,6 +4,8 @@ T=0 losslessness abort (with a deliberately lossy method) and the partial report
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +165,97 @@ def test_output_paths_are_checked_before_the_run(model, tmp_path, capsys):
         assert bench_main(model + [flag, str(value)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and err.count("\n") == 0, err
+
+
+def test_unwritable_output_folder_is_refused_before_the_run(model, capsys):
+    """(case bench-output-unwritable) --json in a folder this process cannot create files in (sysfs refuses
+    root too) fails at once, naming the flag, instead of after the whole measurement."""
+    assert bench_main(model + ["--methods", "ar", "--json", "/sys/moespec/r.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--json /sys/moespec/r.json: cannot create files in /sys" in err and err.count("\n") == 0, err
+
+
+def _small_run(model, out, *extra):
+    return model + ["--methods", "ar,eagle3", "--datasets", "gsm8k", "--num-prompts", "2", "--max-tokens", "3",
+                    "--temperature", "0", "--json", str(out / "r.json"), "--markdown", str(out / "r.md"), *extra]
+
+
+def test_a_failed_final_write_keeps_the_report_elsewhere(model, tmp_path, monkeypatch, capsys):
+    """(case bench-final-write-fails) The disk fills up during the run: the report goes to the temporary
+    directory, stderr says where, exit 1; nothing half-written is left beside the asked path."""
+    import errno
+
+    import trtllm_moespec.outfiles as outfiles
+
+    real = outfiles.write_text_atomic
+
+    def full_disk(path, text):
+        if Path(path).parent == tmp_path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, text)
+
+    monkeypatch.setattr(outfiles, "write_text_atomic", full_disk)
+    assert bench_main(_small_run(model, tmp_path)) == 1
+    err = capsys.readouterr().err
+    moved = re.search(r"cannot write --json \S+r\.json \(No space left on device\); the report went to (\S+)", err)
+    assert moved, err
+    report = json.loads(Path(moved[1]).read_text())
+    assert report["status"] == "complete" and len(report["results"]) == 2
+    markdown = re.search(r"cannot write --markdown \S+r\.md \(No space left on device\); the report went to (\S+)", err)
+    assert markdown and "Table 1" in Path(markdown[1]).read_text(), err
+    assert not list(tmp_path.iterdir())
+    Path(moved[1]).unlink()
+    Path(markdown[1]).unlink()
+
+    def nowhere(path, text):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(outfiles, "write_text_atomic", nowhere)
+    assert bench_main(_small_run(model, tmp_path)) == 1
+    captured = capsys.readouterr()
+    assert "the report follows on stdout" in captured.err
+    assert '"schema": "moespec-bench/1"' in captured.out  # the whole report, on stdout
+
+
+def test_sigterm_writes_a_partial_report(model, tmp_path, monkeypatch):
+    """(case bench-sigterm) SIGTERM (timeout, CI, kill) mid-run is handled as Ctrl-C: a partial report,
+    exit 143; the handler is given back after an in-process run."""
+    import os
+    import signal
+
+    real, calls = MethodRunner.generate, []
+
+    def generate(self, prompt_ids, params):
+        calls.append(self.spec.label)
+        if len(calls) == 2 + 4:  # warm-up (2 methods), the first prompt group (2), then SIGTERM in the second
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, prompt_ids, params)
+
+    monkeypatch.setattr(MethodRunner, "generate", generate)
+    before = signal.getsignal(signal.SIGTERM)
+    assert bench_main(_small_run(model, tmp_path)) == 143
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["status"] == "interrupted" and report["error"].startswith("terminated (SIGTERM)")
+    assert report["completed_prompt_groups"] == 1
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_reports_get_the_usual_permissions(model, tmp_path):
+    """(case report-umask) Reports are created as `open(path, "w")` creates files (0o666 less the umask),
+    not 0600 as tempfile makes them; an existing report keeps its own mode."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        assert bench_main(_small_run(model, tmp_path)) == 0
+        for name in ("r.json", "r.md"):
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+        os.chmod(tmp_path / "r.json", 0o640)
+        assert bench_main(_small_run(model, tmp_path)) == 0
+        assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
 
 
 def test_values_sweep_adds_one_column_per_cost_aware_method():

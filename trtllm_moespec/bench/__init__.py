@@ -7,7 +7,10 @@
 Each method's LLM is built once (same drafter weights and tree for every EAGLE-family
 method), warmed up, then methods run interleaved per prompt. At T=0 any method whose
 tokens differ from `ar`'s aborts the run (exit 3) with a partial report; Ctrl-C also
-leaves a valid partial report (exit 130). Exit 2 on bad arguments.
+leaves a valid partial report (exit 130), and so does SIGTERM, what `timeout`, CI runners
+and `kill` send (exit 143). Exit 2 on bad arguments, output paths included (checked before
+the run: `outfiles.check_writable`). Exit 1 when the run finished but a report could not be
+written where asked: it then went to the temporary directory (or stdout), named on stderr.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from ..assets import DEFAULT_MODEL
-from ..cli import DefaultsHelpFormatter
+from ..cli import DefaultsHelpFormatter, flag_message
 from .datasets import DATASETS, load_prompts, tokenization_note
 from .methods import DEFAULT_METHODS, MethodSpec, ablation_specs, build_runner, method_spec, values_specs
 from .runner import BenchState, LosslessMismatch, run_bench, warm_up
@@ -116,10 +120,11 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
         specs = resolve_methods(args)
         prompts = {ds: load_prompts(ds, args.num_prompts) for ds in args.datasets}
     except (ValueError, FileNotFoundError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {flag_message(str(e), build_parser(prog))}", file=sys.stderr)
         return 2
     started, machine = time.time(), machine_description(args.device)
-    state, status, error, rc, runners, sigint = BenchState(), "complete", None, 0, [], None
+    state, status, error, rc, runners = BenchState(), "complete", None, 0, []
+    signals = RunSignals()  # Ctrl-C and SIGTERM end the run with a partial report; a second one is ignored
     try:
         runners = _build_runners(specs, args, tree)
         warm_up(runners, _warm_prompt(runners[0], args), args.warmup_tokens, tuple(args.temperature))
@@ -129,29 +134,65 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
         with tqdm(total=total, desc="bench (prompts x methods)", disable=args.no_progress) as bar:
             run_bench(runners, prompts, list(args.temperature), args.max_tokens, args.seed, state, bar, args.repeats)
     except (ValueError, FileNotFoundError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        signals.restore()
+        print(f"{prog}: error: {flag_message(str(e), build_parser(prog))}", file=sys.stderr)
         return 2
     except LosslessMismatch as e:
         status, error, rc = "aborted", str(e), 3
         print(f"\n{prog}: {e}", file=sys.stderr)
-    except KeyboardInterrupt:
-        # A second Ctrl-C must not cut the report short or print a traceback from interpreter shutdown:
-        # what is left (writing the report) takes well under a second.
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        status, error, rc = "interrupted", "interrupted by the user (Ctrl-C); partial results", 130
-        print(f"\n{prog}: interrupted; writing the partial report (further Ctrl-C ignored)", file=sys.stderr)
+    except KeyboardInterrupt as e:  # RunSignals ignores both signals from here on
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted by the user (Ctrl-C)"
+        status, error, rc = "interrupted", f"{how}; partial results", 143 if isinstance(e, Terminated) else 130
+        print(f"\n{prog}: {how}; writing the partial report (further signals ignored)", file=sys.stderr)
+    signals.ignore()  # the run is over: a signal now must not cut the report it writes (well under a second)
     config = _config(args, tree, specs, runners)
     report = build_report(status=status, error=error, command=prog.split() + argv, config=config, machine_start=machine,
                           state=state, analysis_only={s.label: s.analysis_only for s in specs}, started=started,
                           ended=time.time(), cost_profile=_profile_info(runners))
-    _write_outputs(report, args)
+    if not _write_outputs(report, args, prog) and rc == 0:
+        rc = 1  # the run finished, but a report is not where it was asked for (stderr says where it went)
     print("\n".join(summary_lines(report)))
     print(json.dumps({"status": report["status"], "results": [
         {k: r[k] for k in ("dataset", "method", "temperature", "tokens_per_s", "speedup_vs_ar", "mean_accepted_tokens")}
         for r in report["results"]]}))
-    if sigint is not None and not process_entry:
-        signal.signal(signal.SIGINT, sigint)  # called in-process (tests, scripts): give Ctrl-C back
+    if not process_entry:  # called in-process (tests, scripts): give Ctrl-C and SIGTERM back
+        signals.restore()
     return rc
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, as Python raises KeyboardInterrupt for Ctrl-C."""
+
+
+class RunSignals:
+    """Ctrl-C and SIGTERM during a run: the first raises KeyboardInterrupt (Terminated for SIGTERM) where
+    the run is, and from that moment both are ignored, so a second one cannot cut the partial report
+    short nor print a traceback from the unwinding. The handler ignores them before it raises: Python's
+    own handler left a window, between the first exception and the `except` that ignored SIGINT, where
+    a second Ctrl-C landed in a generator's clean-up. A signal the caller already ignores (or handles)
+    is left alone; nothing is installed off the main thread, where Python cannot install handlers."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:
+                self.previous[sig] = signal.signal(sig, self._stop)
+
+    def _stop(self, signum: int, frame) -> None:
+        self.ignore()
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def ignore(self) -> None:
+        """Ignore the signals this object handles (the run is over, or stopping)."""
+        for sig in self.previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        """Give back the handlers found at construction."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _build_runners(specs, args, tree):
@@ -197,38 +238,51 @@ def _profile_info(runners) -> dict | None:
 
 def _check_output_paths(args) -> None:
     """Refuse output paths that could only fail after the whole run: a directory where a file goes or the
-    reverse, or a parent that is a file."""
+    reverse, a parent that is a file, a folder this process cannot create files in."""
+    from ..outfiles import check_writable
+
     for flag, value, want_dir in (("--json", args.json, False), ("--markdown", args.markdown, False),
                                   ("--plots", args.plots, True)):
-        if value is None:
-            continue
-        path = Path(value)
-        if path.exists() and path.is_dir() != want_dir:
-            raise ValueError(f"{flag} {value} is {'a file' if want_dir else 'a directory'}; give a "
-                             f"{'directory' if want_dir else 'file path'}")
-        parent = next((p for p in path.parents if p.exists()), Path("."))
-        if not parent.is_dir():
-            raise ValueError(f"{flag} {value}: {parent} is not a directory")
+        if value is not None:
+            check_writable(value, flag, want_dir)
 
 
-def _write_outputs(report: dict, args) -> None:
+def _write_outputs(report: dict, args, prog: str) -> bool:
     """Write the requested outputs atomically; an incomplete report goes beside any existing file
-    (NAME.partial.EXT) instead of replacing it."""
-    from .report import markdown, partial_path, write_json, write_text_atomic
+    (NAME.partial.EXT) instead of replacing it. A write that fails goes elsewhere (outfiles.save_report);
+    returns whether every output went where it was asked."""
+    from ..outfiles import save_report
+    from .report import markdown, partial_path
 
-    incomplete = report["status"] != "complete"
-    for flag, value, write in (("--json", args.json, lambda p: write_json(report, p)),
-                               ("--markdown", args.markdown, lambda p: write_text_atomic(p, markdown(report)))):
+    incomplete, where_asked = report["status"] != "complete", True
+    for flag, value, text in (("--json", args.json, lambda: json.dumps(report, indent=1) + "\n"),
+                              ("--markdown", args.markdown, lambda: markdown(report))):
         if value:
             path = partial_path(value) if incomplete else Path(value)
-            write(path)
+            where_asked &= save_report(path, text(), flag, prog) == path
             if path != Path(value):
                 print(f"{flag}: {value} exists and is kept; the {report['status']} report went to {path}",
                       file=sys.stderr)
     if args.plots:
-        from .plots import write_plots
-
         plots = Path(args.plots)
         if incomplete and plots.is_dir() and any(plots.iterdir()):
             plots = plots.with_name(plots.name + ".partial")
+        where_asked &= _write_plots(report, plots, prog)
+    return where_asked
+
+
+def _write_plots(report: dict, plots: Path, prog: str) -> bool:
+    """The figures into `plots`, else into a temporary directory (said on stderr); True when in `plots`."""
+    import tempfile
+
+    from .plots import write_plots
+
+    try:
         write_plots(report, plots)
+        return True
+    except OSError as e:
+        fallback = Path(tempfile.mkdtemp(prefix=f"{plots.name}."))
+        print(f"{prog}: error: cannot write --plots {plots} ({e.strerror or e}); the figures went to {fallback}",
+              file=sys.stderr)
+        write_plots(report, fallback)
+        return False

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine.stats import GenerationStats
+from ..outfiles import write_text_atomic
 from .runner import BenchState
 
 SCHEMA = "moespec-bench/1"
@@ -92,24 +93,6 @@ def build_report(*, status: str, error: str | None, command: list[str], config: 
 
 def write_json(report: dict, path: str | Path) -> Path:
     return write_text_atomic(path, json.dumps(report, indent=1) + "\n")
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same directory and a rename: readers see the
-    old file or the new one, never half of one, and an interruption leaves no stray temporary behind."""
-    import tempfile
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def partial_path(path: str | Path) -> Path:

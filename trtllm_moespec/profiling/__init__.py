@@ -17,6 +17,10 @@ of a C(k) exceeds a quarter of C(K) - C(0) (or of C(0) - plain step) the profile
 refused (exit 2, nothing written; `--allow-noisy` writes it anyway, labelled); above
 a tenth it is written with a loud warning.
 
+The output path is checked before anything is measured (a folder this process cannot create
+files in is refused, exit 2); if the final write fails anyway (a full disk), the profile goes to
+the temporary directory, or to stdout, and stderr says where (exit 1).
+
 Without `--out` the profile goes beside the model, except for models shipped inside
 the package (moespec-tiny): their assets are never written by a default; the profile
 then goes to ./<model>.cost_profile.json (use it with --cost-profile, or pass --out
@@ -34,7 +38,6 @@ import datetime as dt
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,7 @@ import numpy as np
 
 from ..assets import DEFAULT_MODEL
 from ..core.cost import CostTable, ExpertCostModel
+from ..outfiles import check_writable, save_report
 from .measure import (PLAIN, CostCurve, ForcedBudget, ForcedGuard, NoiseReport, StepDriver, StepSample, assess_noise,
                       monotone, run_interleaved, summarize, time_draft_forward, trim_outliers, trim_values)
 
@@ -53,8 +57,9 @@ class ProfileResult:
     table: CostTable
     curve: CostCurve
     samples: list[StepSample]
-    path: Path | None
+    path: Path | None  # where the profile was written (None: stdout, when no file could be written)
     noise: NoiseReport | None = None
+    requested: Path | None = None  # where it was asked to go (differs from `path` when that write failed)
 
 
 def default_prompts(num: int = 3) -> list[str]:
@@ -84,6 +89,7 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
     from ..resolve import resolve_model
 
     path = output_path(resolve_model(model, draft_model).cost_profile, out)
+    check_writable(path, "--out" if out is not None else "the cost profile path")  # before minutes of measuring
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
               policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
     max_k = tree.max_draft_tokens
@@ -131,8 +137,8 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
                       spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model,
                       plain_step=plain_s, draft_forward=draft_forward,
                       load_average=tuple(round(x, 2) for x in load_before + load_after))
-    save_profile(table, curve, samples, path, noise)
-    return ProfileResult(table, curve, samples, path, noise)
+    written = save_profile(table, curve, samples, path, noise)
+    return ProfileResult(table, curve, samples, written, noise, requested=path)
 
 
 def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | None:
@@ -169,8 +175,9 @@ def output_path(model_profile: Path, out: str | Path | None) -> Path:
 
 
 def save_profile(table: CostTable, curve: CostCurve, samples: list[StepSample], path: Path,
-                 noise: NoiseReport | None = None) -> Path:
-    """CostTable JSON plus the raw measurements (extra keys CostTable.load ignores); atomic write."""
+                 noise: NoiseReport | None = None) -> Path | None:
+    """CostTable JSON plus the raw measurements (extra keys CostTable.load ignores); atomic write, to a
+    fallback when that fails (outfiles.save_report). Returns where it went (None: stdout)."""
     data = table.to_json()
     data["measured"] = {
         "median_s": list(curve.median_s), "iqr_s": [None if np.isnan(x) else x for x in curve.iqr_s],
@@ -181,24 +188,9 @@ def save_profile(table: CostTable, curve: CostCurve, samples: list[StepSample], 
     if noise is not None:
         data["noise"] = {"median_se_s": noise.median_se_s, "span_s": noise.span_s, "plain_gap_s": noise.plain_gap_s,
                          "ratio": noise.ratio, "verdict": noise.verdict}
-    write_atomic(path, json.dumps(data, indent=1) + "\n")
-    return path
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a unique temporary file in the same directory, then rename: readers see the old file
-    or the new one, never half of one, and a failure leaves no temporary behind."""
     if path.is_dir():
         raise ValueError(f"{path} is a directory; give a file path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return save_report(path, json.dumps(data, indent=1) + "\n", "--out", "moespec profile")
 
 
 def format_table(result: ProfileResult) -> str:
@@ -222,7 +214,7 @@ def format_table(result: ProfileResult) -> str:
         lines.append(f"load average {t.load_average[0]:.2f} before, {t.load_average[3]:.2f} after")
     if result.noise is not None:
         lines.append(("" if result.noise.verdict == "ok" else "WARNING: ") + result.noise.message())
-    lines.append(f"wrote {result.path}")
+    lines.append(f"wrote {result.path}" if result.path is not None else "wrote the profile to stdout (above)")
     return "\n".join(lines)
 
 
@@ -271,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(result))
         if result.noise is not None and result.noise.verdict != "ok":
             print(f"moespec profile: WARNING: {result.noise.message()}", file=sys.stderr)
-        return 0
+        return 0 if result.path == result.requested else 1  # 1: written elsewhere (stderr said where)
 
     try:
         set_threads(args.threads)
@@ -281,5 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_expert_parallel(args.device, max(args.threads, 1), run)
         return run()
     except (ValueError, FileNotFoundError) as e:
-        print(f"moespec profile: error: {e}", file=sys.stderr)
+        from ..cli import flag_message
+
+        print(f"moespec profile: error: {flag_message(str(e), build_parser())}", file=sys.stderr)
         return 2

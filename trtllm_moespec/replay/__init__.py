@@ -10,7 +10,9 @@ then score selection policies and value models offline on exactly those steps.
 
 Records hold the full draft tree (tokens, parents, q), the live values, predicted and true
 expert sets, the drafter's node features and the target's acceptance of every node (one
-extra peek forward per step, which the live run never sees). Bad input: one line, exit 2.
+extra peek forward per step, which the live run never sees). Bad input: one line, exit 2;
+output paths are checked before anything runs (outfiles.check_writable), and a report whose
+final write fails goes to the temporary directory or stdout, named on stderr (exit 1).
 """
 
 from __future__ import annotations
@@ -78,10 +80,22 @@ def main(argv: list[str] | None = None, prog: str = "moespec replay") -> int:
 
     torch.set_num_threads(getattr(args, "threads", 1))  # tiny tensors: more threads only stall on a shared CPU
     try:
+        _check_outputs(args)
         return {"record": _record, "score": _score, "rank": _rank, "fit-calibrator": _fit}[args.action](args, argv)
     except (ValueError, FileNotFoundError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        from ..cli import flag_message
+
+        print(f"{prog}: error: {flag_message(str(e), build_parser(prog))}", file=sys.stderr)
         return 2
+
+
+def _check_outputs(args) -> None:
+    """Every output path of the action, before it records or scores anything."""
+    from ..outfiles import check_writable
+
+    for flag in ("out", "json", "markdown"):
+        if getattr(args, flag, None) is not None:
+            check_writable(getattr(args, flag), f"--{flag}")
 
 
 def _record(args, argv) -> int:
@@ -112,7 +126,10 @@ def _record(args, argv) -> int:
                              seed=None if args.temperature == 0 else args.seed + i) for i in range(len(ids))]
     with tqdm(total=len(ids), desc="record") as bar:
         records, _ = record(llm, ids, params, meta, keep_hidden=not args.no_hidden, progress=bar)
-    records.save(args.out)
+    from ..outfiles import atomic_path
+
+    with atomic_path(args.out) as tmp:  # safetensors writes 0600 files: atomic_path gives the usual mode
+        records.save(tmp)
     print(f"recorded {records.num_steps} steps of {len(ids)} prompts in {time.time() - t0:.0f}s -> {args.out}")
     return 0
 
@@ -180,8 +197,7 @@ def _score(args, argv) -> int:
     lines = ["| policy | tokens/step | verified/step | tokens per s of cost | vs eagle3 | vs oracle |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['label']} | {r['tokens_per_step']:.2f} | {r['verified_per_step']:.1f} | {r['tokens_per_s']:.1f} | "
               f"{r['vs_eagle3']:.3f} | {r['vs_oracle']:.3f} |" for r in rows]
-    _emit(report, lines, args)
-    return 0
+    return _emit(report, lines, args)
 
 
 def _rank(args, argv) -> int:
@@ -194,8 +210,7 @@ def _rank(args, argv) -> int:
     lines += [f"| {name} | " + " | ".join(f"{d[k]:.2f}" for k in args.k) + " |" for name, d in table.items()]
     report = {"command": "moespec replay " + " ".join(argv), "file": args.file, "records": records.meta,
               "num_steps": records.num_steps, "accepted_in_top_k": table}
-    _emit(report, lines, args)
-    return 0
+    return _emit(report, lines, args)
 
 
 def _fit(args, argv) -> int:
@@ -220,18 +235,27 @@ def _fit(args, argv) -> int:
         raise ValueError("no recorded steps to fit a calibrator on")
     merged = {t: tuple(np.concatenate(x) for x in zip(*parts)) for t, parts in samples.items()}
     cal = scheme.fit(merged, source="moespec replay " + " ".join(argv))
-    cal.save(args.out)
+    from ..outfiles import atomic_path
+
+    with atomic_path(args.out) as tmp:
+        cal.save(tmp)
     print(f"calibrator over {sum(len(m[0]) for m in merged.values())} nodes, {cal.num_groups} groups, "
           f"temperatures {sorted(merged)} -> {args.out}")
     return 0
 
 
-def _emit(report: dict, lines: list[str], args) -> None:
+def _emit(report: dict, lines: list[str], args) -> int:
+    """Print the table and the JSON summary line; write --json / --markdown. Returns the exit code: 1
+    when a report could not be written where asked (it went elsewhere, said on stderr)."""
+    from ..outfiles import save_report
+
     print("\n".join(lines))
+    where_asked = True
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        path = Path(args.json)
+        where_asked &= save_report(path, json.dumps(report, indent=1) + "\n", "--json", "moespec replay") == path
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"Command: `{report['command']}`\n\n" + "\n".join(lines) + "\n")
+        path, text = Path(args.markdown), f"Command: `{report['command']}`\n\n" + "\n".join(lines) + "\n"
+        where_asked &= save_report(path, text, "--markdown", "moespec replay") == path
     print(json.dumps({k: v for k, v in report.items() if k not in ("records",)}, default=str)[:2000])
+    return 0 if where_asked else 1
