@@ -189,7 +189,7 @@ def test_admission_queues_by_default_and_refuses_only_what_never_fits(tiny_llm):
     assert many.status_code == 200 and len(many.json()["choices"]) == 80
 
     async def scenario(server):
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             never = await client.post("/v1/completions", json={"prompt": prompts[:2], "n": 2, "max_tokens": 1})
             long = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
             async with client.stream("POST", "/v1/completions", json=long) as r:
