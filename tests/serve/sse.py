@@ -4,7 +4,9 @@ parse /metrics, and the small chat template the tests serve with."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 
 import httpx
 
@@ -15,6 +17,25 @@ TIMEOUT_S = 180
 
 def run(coro, timeout: float = TIMEOUT_S):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@contextlib.contextmanager
+def steps_held(scheduler):
+    """Hold the scheduler's engine before its next step until the block ends, so a running request
+    cannot finish and free its slot meanwhile (on a loaded machine, requests sent after a stream's first
+    token can take longer to arrive than the stream takes to finish). Admission runs on, unchanged."""
+    engine, release = scheduler.engine, threading.Event()
+    step = engine.step
+
+    def held_step():
+        release.wait(TIMEOUT_S)
+        return step()
+
+    engine.step = held_step
+    try:
+        yield
+    finally:
+        release.set()
 
 
 def metric_values(text: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ from trtllm_moespec.cli import main
 from trtllm_moespec.serve.server import ServerThread
 from trtllm_moespec.serve.state import Server
 
-from .sse import events, metric_values, run
+from .sse import events, metric_values, run, steps_held
 
 
 def _raw_post_head(host: str, port: int, length: int) -> tuple[int, bytes]:
@@ -195,11 +195,12 @@ def test_admission_queues_by_default_and_refuses_only_what_never_fits(tiny_llm):
             async with client.stream("POST", "/v1/completions", json=long) as r:
                 async for _ in r.aiter_lines():
                     break  # the one slot is busy now
-                queued = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "y", "max_tokens": 1}))
-                          for _ in range(2)]
-                while server.scheduler.queue_depth < 2:
-                    await asyncio.sleep(0.01)
-                full = await client.post("/v1/completions", json={"prompt": "z", "max_tokens": 1})
+                with steps_held(server.scheduler):
+                    queued = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "y", "max_tokens": 1}))
+                              for _ in range(2)]
+                    while server.scheduler.queue_depth < 2:
+                        await asyncio.sleep(0.01)
+                    full = await client.post("/v1/completions", json={"prompt": "z", "max_tokens": 1})
             return never, full, await asyncio.gather(*queued)
 
     with ServerThread(tiny_llm, max_batch_size=1, max_queue=2) as server:

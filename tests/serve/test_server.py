@@ -15,7 +15,7 @@ import pytest
 from trtllm_moespec import SamplingParams
 from trtllm_moespec.serve.server import ServerThread
 
-from .sse import TEMPLATE, metric_values
+from .sse import TEMPLATE, metric_values, steps_held
 from .sse import run as _run
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# a comment\n",
@@ -541,8 +541,8 @@ def test_bad_requests_get_openai_errors(tiny_llm, body, status, param):
 
 
 def test_invalid_json_tokenizer_chat_template_and_full_queue(tiny_llm):
-    async def scenario(url):
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async def scenario(server):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             bad = await client.post("/v1/completions", content=b"{not json")
             chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                    "max_tokens": 4, "temperature": 0})
@@ -550,13 +550,14 @@ def test_invalid_json_tokenizer_chat_template_and_full_queue(tiny_llm):
             async with client.stream("POST", "/v1/completions", json=long) as r:
                 async for _ in r.aiter_lines():
                     break  # the one slot is busy now; the queue holds nothing
-                full = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                with steps_held(server.scheduler):
+                    full = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             models = await client.get("/v1/models")
             health = await client.get("/health")
         return bad, chat, full, models, health
 
     with ServerThread(tiny_llm, max_batch_size=1, max_queue=0, model_name="tiny") as server:
-        bad, chat, full, models, health = _run(scenario(server.url))
+        bad, chat, full, models, health = _run(scenario(server))
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     # moespec-tiny ships no chat template (it is not chat-tuned): a 400 that says how to give one
     assert chat.status_code == 400 and "--chat-template" in chat.json()["error"]["message"]
