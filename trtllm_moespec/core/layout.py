@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .tree import DraftTree, gather_nodes
@@ -94,6 +95,16 @@ def root_layout(root_ids: torch.Tensor) -> TreeLayout:
     ints = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.int64, device=device)  # noqa: E731
     return TreeLayout(node_idx=ints(B, 0), token_ids=roots, depth=ints(B, 1), parent_pos=ints(B, 1, fill=-1),
                       valid=torch.ones(B, 1, dtype=torch.bool, device=device), paths=ints(B, 1, 1), num_nodes=ints(B))
+
+
+def selected_columns(node_idx: torch.Tensor) -> torch.Tensor:
+    """node_idx [B, K] (-1 pad) without its trailing columns that select a node in no row (CPU).
+
+    Policies return a fixed-width selection; every laid-out position costs a token of target
+    compute, so a verify on the host runs over the selected nodes only (the device path cuts the
+    selection to a captured verify length instead). Positions of the kept columns do not move."""
+    used = np.flatnonzero((node_idx.numpy() >= 0).any(0))
+    return node_idx[:, : int(used[-1]) + 1 if used.size else 0]
 
 
 def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor,

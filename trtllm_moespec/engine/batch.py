@@ -37,7 +37,7 @@ import torch
 
 from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_batch_select
 from ..core.device import host_tensor, token_tensor
-from ..core.layout import TreeLayout, build_layout, root_layout
+from ..core.layout import TreeLayout, build_layout, root_layout, selected_columns
 from ..core.select import path_bits
 from ..core.tree import DraftTree, deepest_selected, gather_nodes, limit_depth, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes, with_values
@@ -228,7 +228,10 @@ class BatchedEngine:
         roots = [token_tensor(a.request.output_ids[-1], self.target.device) for a in running]
         # on the device all requests' deepest selected depths come back in one transfer, and the layouts
         # then read nothing (on the CPU the layout's host path reads its lists anyway)
-        depths = _max_depths(drafts, node_idx) if self.target.device.type != "cpu" else [None] * len(running)
+        if self.target.device.type == "cpu":  # verify the selected nodes only, not the policies' -1 padding
+            node_idx, depths = [n if n is None else selected_columns(n) for n in node_idx], [None] * len(running)
+        else:
+            depths = _max_depths(drafts, node_idx)
         layouts = [build_layout(d.tree, n, r, depth) if d is not None else root_layout(r)
                    for d, n, r, depth in zip(drafts, node_idx, roots, depths)]
         t_select = time.perf_counter() - t0

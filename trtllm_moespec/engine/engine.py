@@ -17,7 +17,7 @@ import torch
 
 from ..core.device import token_tensor
 from ..core.experts import ExpertSets, popcount
-from ..core.layout import TreeLayout, build_layout, root_layout
+from ..core.layout import TreeLayout, build_layout, root_layout, selected_columns
 from ..core.logprobs import TokenLogprob, emitted_positions, prompt_token_logprobs, token_logprobs
 from ..core.logit_rules import TokenHistory
 from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
@@ -202,6 +202,8 @@ class SpecEngine:
         node_idx, max_depth = selection.node_idx, None
         if node_idx.device.type != "cpu":
             node_idx, max_depth = self._device_selection(tree, node_idx)
+        else:
+            node_idx = selected_columns(node_idx)
         layout = build_layout(tree, node_idx, token_tensor(root, tree.token_ids.device), max_depth)
         t_select = time.perf_counter() - t0
 
