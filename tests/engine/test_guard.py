@@ -22,7 +22,7 @@ def _feed(state, speculated, tokens, seconds):
 
 def test_guard_falls_back_while_speculation_loses_and_probes():
     # probe_overhead=1: a probe may cost as much as the plain steps between probes (only the doubling counts)
-    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=1.0))
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=1.0, min_spec_steps=1))
     s = guard.start()
     assert s.speculate()  # nothing measured: try speculation
     _feed(s, True, 2, 0.040)  # 50 tok/s
@@ -44,7 +44,7 @@ def test_guard_falls_back_while_speculation_loses_and_probes():
 
 
 def test_guard_reenables_when_text_becomes_predictable():
-    s = Guard(GuardConfig(probe_every=2, probe_overhead=1.0)).start()
+    s = Guard(GuardConfig(probe_every=2, probe_overhead=1.0, min_spec_steps=1)).start()
     _feed(s, True, 2, 0.030)  # 67 tok/s: a probe costs one plain step more than its tokens
     _feed(s, False, 1, 0.010)
     assert not s.speculate()
@@ -56,7 +56,7 @@ def test_guard_reenables_when_text_becomes_predictable():
 
 
 def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_over_requests():
-    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02))
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02, min_spec_steps=1))
     s = guard.start()
     _feed(s, True, 3, 0.050)  # a speculative step costs 5 plain steps and commits 3 tokens: 2 steps lost
     _feed(s, False, 1, 0.010)
@@ -71,7 +71,7 @@ def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_ove
     assert decisions.index(True) == 99  # the 100th plain step since the last speculative one
     assert sum(decisions) == 1  # the losing probe doubled the interval, but the 2% bound still rules
     # A cheap probe (nearly paying) is tried at the doubling interval instead.
-    cheap = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02)).start()
+    cheap = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02, min_spec_steps=1)).start()
     _feed(cheap, True, 3, 0.0302)
     _feed(cheap, False, 1, 0.010)
     assert cheap.probe_interval() == 2
@@ -79,8 +79,35 @@ def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_ove
         GuardConfig(probe_overhead=0.0)
 
 
+def test_one_unlucky_speculative_step_is_no_verdict():
+    """The guard decides only after the engine has measured `min_spec_steps` speculative steps (over
+    requests): one step that commits a single token in warm-up time must not send speculation away for
+    hundreds of plain steps (on moespec-base it did, for joint: 0.2 nodes verified per step instead of 6.7)."""
+    guard = Guard(GuardConfig(min_spec_steps=4))
+    s = guard.start()
+    assert s.speculate()
+    _feed(s, True, 1, 0.110)  # the first step: nothing accepted, warm-up time (plain: 35 ms)
+    assert not s.speculate()  # one plain step, to know its cost
+    _feed(s, False, 1, 0.035)
+    assert s.pays() is None and s.speculate()  # a single speculative step decides nothing
+    _feed(s, True, 5, 0.100)
+    s = guard.start()  # the count is the engine's, across requests
+    assert s.speculate()
+    _feed(s, True, 5, 0.100)
+    assert s.pays() is None and s.speculate()
+    _feed(s, True, 5, 0.100)  # the fourth: now the estimates decide (about 3.9 tokens per 103 ms: it pays)
+    assert s.pays() and s.speculate()
+    losing = Guard(GuardConfig(min_spec_steps=2)).start()
+    for _ in range(2):
+        _feed(losing, True, 1, 0.110)
+    _feed(losing, False, 1, 0.035)
+    assert losing.pays() is False and not losing.speculate()
+    with pytest.raises(ValueError, match="min_spec_steps"):
+        GuardConfig(min_spec_steps=0)
+
+
 def test_one_stalled_plain_step_does_not_make_speculation_look_paying():
-    s = Guard(GuardConfig()).start()
+    s = Guard(GuardConfig(min_spec_steps=1)).start()
     _feed(s, True, 3, 0.025)  # 120 tok/s speculating
     _feed(s, False, 1, 0.0043)  # 233 tok/s plain
     _feed(s, False, 1, 0.200)  # one stall (47x): counted as 3x the plain mean at most

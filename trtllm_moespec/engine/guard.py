@@ -12,7 +12,9 @@ The answer is `core.drafting.speculation_pays` on running estimates:
   profiled costs (`C(k)` of the verified size, and the profile's plain step): the k = 0
   rule alone.
 
-While speculation loses the request decodes plainly (no drafter forward: the drafter
+No verdict comes before the engine has measured `min_spec_steps` speculative steps (per kind of
+sampling, over requests): one step commits anywhere from 1 to D+1 tokens and the first ones carry
+warm-up time. While speculation loses the request decodes plainly (no drafter forward: the drafter
 catches up on the skipped tokens in one forward when drafting resumes) and probes a
 speculative step every `probe_every` plain steps; a probe that still loses doubles the
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
@@ -58,6 +60,10 @@ class GuardConfig:
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
     probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
+    # Speculative steps an engine measures (per kind of sampling) before the guard may find that speculation
+    # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
+    # could send a request that speculation serves well to plain decoding for hundreds of steps.
+    min_spec_steps: int = 4
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
@@ -68,6 +74,8 @@ class GuardConfig:
             raise ValueError(f"guard margin must be >= 0, got {self.margin}")
         if not 0.0 < self.probe_overhead <= 1.0:
             raise ValueError(f"probe_overhead must lie in (0, 1], got {self.probe_overhead}")
+        if not (isinstance(self.min_spec_steps, int) and self.min_spec_steps >= 1):
+            raise ValueError(f"min_spec_steps must be an integer >= 1, got {self.min_spec_steps!r}")
 
 
 @dataclass
@@ -133,8 +141,11 @@ class GuardState:
         self.num_probes = 0
 
     def pays(self) -> bool | None:
-        """Does speculation beat plain decoding on the current estimates? None while unknown."""
+        """Does speculation beat plain decoding on the current estimates? None while unknown (the plain
+        cost not measured yet, or fewer than `min_spec_steps` speculative steps seen by the engine)."""
         if not (self.spec_tokens.known and self.spec_s.known and self.plain_s.known):
+            return None
+        if self.memory.spec_tokens.count < self.config.min_spec_steps:
             return None
         return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, self.config.margin)
 
