@@ -18,7 +18,9 @@ if has profile; then  # the shipped profile is replaced only because --out names
     | tee "$OUT/profile.txt"
 fi
 if has bench; then
-  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,eagle3,ddd,coverage,evict,ecospec,joint \
+  # the committed run (benchmarks/results/base/bench.md): PROMPTS=5 TOKENS=96 REPEATS=1 STAGES=bench (28 min)
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,eagle3,evict,ecospec,joint \
+    --guard-ablation evict,ecospec,joint \
     --temperature 0,1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 fi
