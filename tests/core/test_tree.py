@@ -147,3 +147,27 @@ def test_tree_buffer_dense_growth_and_bad_use():
         buf.grow(ref_frontier, child_ids, child_probs, 2)
     with pytest.raises(ValueError, match="empty TreeBuffer"):
         buf.add_root(torch.tensor([[1]]), torch.tensor([[1.0]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_keep_top_nodes_keeps_the_parent_closed_top_of_the_score_order(seed):
+    """keep_top_nodes (the expert-aware policies' candidates): exactly the top-m nodes by score stay
+    valid, every kept node's parent is kept, nothing else of the tree changes for them."""
+    from trtllm_moespec.core.tree import keep_top_nodes
+
+    rng = np.random.default_rng(seed)
+    B, m = int(rng.integers(1, 4)), int(rng.integers(1, 12))
+    tree = random_tree(rng, B, int(rng.integers(0, 24)))
+    kept = keep_top_nodes(tree, m)
+    top = top_k_nodes(tree, m)
+    for b in range(B):
+        want = {int(n) for n in top[b] if n >= 0}
+        assert {int(n) for n in kept.valid[b].nonzero()[:, 0]} == want
+        for n in want:
+            p = int(kept.parents[b, n])
+            assert p == -1 or p in want
+            assert int(kept.token_ids[b, n]) == int(tree.token_ids[b, n])
+            assert float(kept.log_scores[b, n]) == float(tree.log_scores[b, n])
+    if tree.num_nodes <= m:
+        assert kept is tree

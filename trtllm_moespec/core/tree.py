@@ -394,6 +394,22 @@ def deepest_selected(tree: DraftTree, node_idx: torch.Tensor) -> torch.Tensor:
     return gather_nodes(tree.depth, node_idx, 0).max() if node_idx.numel() else node_idx.new_zeros(())
 
 
+def keep_top_nodes(tree: DraftTree, m: int) -> DraftTree:
+    """Only the top-`m` nodes by score stay valid (the others are marked padded, as `limit_depth` does).
+
+    A path's score never rises from parent to child, so the kept set is parent-closed (EAGLE-3's
+    pruning keeps the same prefix of the score order). A tree of at most m nodes is returned as is."""
+    if tree.num_nodes <= m:
+        return tree
+    top = top_k_nodes(tree, m)  # [B, m] (-1 where fewer valid nodes exist)
+    keep = torch.zeros_like(tree.valid)
+    rows = torch.arange(tree.batch_size, device=top.device)[:, None].expand_as(top)
+    keep[rows[top >= 0], top[top >= 0]] = True
+    keep &= tree.valid
+    return DraftTree(tree.token_ids, torch.where(keep, tree.parents, -1), torch.where(keep, tree.depth, 0),
+                     tree.draft_probs, torch.where(keep, tree.log_scores, _NEG_INF), keep)
+
+
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """Drop nodes deeper than max_depth (marks them padded); the rest stays parent-closed.
 

@@ -281,7 +281,7 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
+        return [Draft(self.engine.candidates(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1)), d.node_hidden)
                 for d, r in zip(drafts, requests)]
 
     def _predict(self, active: _Active, draft: Draft):

@@ -24,7 +24,7 @@ from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.seeded import PositionKeys
-from ..core.tree import DraftTree, deepest_selected, limit_depth
+from ..core.tree import DraftTree, deepest_selected, keep_top_nodes, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..detokenize import StopCut
@@ -36,6 +36,9 @@ from .prefix_cache import DrafterPrefix, PrefixCache, SequenceFeatures
 from .structured import GrammarState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
+
+# Expert-aware policies choose among this many drafted nodes per node the verify may hold (`SpecEngine.candidates`).
+CANDIDATES_PER_VERIFIED = 2
 
 
 @dataclass
@@ -187,7 +190,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         draft = drafter.draft(context, device)
         # deeper nodes could never be emitted
-        tree = limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1)
+        tree = self.candidates(limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1))
         t_draft = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -285,6 +288,15 @@ class SpecEngine:
         if K <= node_idx.shape[1]:
             return node_idx[:, :K], depth  # -1 pads come last: the selection is ordered
         return torch.nn.functional.pad(node_idx, (0, K - node_idx.shape[1]), value=-1), depth
+
+    def candidates(self, tree: DraftTree) -> DraftTree:
+        """The drafted nodes an expert-aware policy chooses among: the top `CANDIDATES_PER_VERIFIED` x
+        the verify cap by score (a parent-closed prefix, as EAGLE-3 prunes). Expert prediction costs
+        per node; a tree of ~200 nodes made it a tenth of a moespec-base step while selections
+        take 2-8 nodes from the top few dozen."""
+        if self.predictor is None or not self.policy.needs_experts:
+            return tree
+        return keep_top_nodes(tree, CANDIDATES_PER_VERIFIED * self.tree.max_draft_tokens)
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
         if self.predictor is None or not self.policy.needs_experts:

@@ -73,6 +73,12 @@ class HeadExperts:
         if tree.num_nodes == 0:
             raise ValueError("the draft-head expert predictor needs at least one drafted node (the root's feature "
                              "is the hidden that proposed the depth-1 nodes)")
-        node_topk, root_topk = self.head.predict(hidden[0], tree.token_ids[0], tree.depth[0], hidden[0, 0], context[-1])
+        # Only valid nodes are predicted (the head costs per row; `SpecEngine.candidates` may have left a
+        # few dozen of ~200); the others get no experts, and no policy selects them.
+        rows = tree.valid[0].nonzero()[:, 0]
+        topk, root_topk = self.head.predict(hidden[0, rows], tree.token_ids[0, rows], tree.depth[0, rows],
+                                            hidden[0, 0], context[-1])
+        node_topk = topk.new_full((tree.num_nodes, *topk.shape[1:]), -1)
+        node_topk[rows.to(topk.device)] = topk
         experts = ExpertSets.from_topk_ids(node_topk[None].to(device), self.num_experts)
         return experts, pack_expert_ids(root_topk[None].to(device), self.num_experts)
