@@ -5,5 +5,5 @@ One concept per module: ``corpus`` (stdlib sources, split by file), ``tokenizer`
 Qwen3-MoE configuration), ``train_target`` (the time-bounded, resumable training
 loop), ``routing`` (router traces through forward hooks), ``train_predictor``
 (the EcoSpec standalone expert predictor) and ``cost_probe`` (C(k) and unique
-experts vs k). Driven by ``build_scripts/train_tiny.py``.
+experts vs k). Driven by ``build_scripts/train_model.py``.
 """

@@ -64,7 +64,7 @@ def save_streams(streams: TokenStreams, out_dir: Path) -> None:
 def load_streams(data_dir: Path) -> TokenStreams:
     for name in ("train.npy", "heldout.npy", "bytes.txt"):
         if not (data_dir / name).is_file():
-            raise FileNotFoundError(f"{data_dir / name} missing: run `train_tiny.py tokenizer` first")
+            raise FileNotFoundError(f"{data_dir / name} missing: run `build_scripts/train_model.py tokenizer` first")
     num_train_bytes, num_heldout_bytes = (int(x) for x in (data_dir / "bytes.txt").read_text().split())
     return TokenStreams(
         train=np.load(data_dir / "train.npy"),
