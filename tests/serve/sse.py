@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import threading
 
@@ -20,15 +21,17 @@ def run(coro, timeout: float = TIMEOUT_S):
 
 
 @contextlib.contextmanager
-def steps_held(scheduler):
-    """Hold the scheduler's engine before its next step until the block ends, so a running request
-    cannot finish and free its slot meanwhile (on a loaded machine, requests sent after a stream's first
-    token can take longer to arrive than the stream takes to finish). Admission runs on, unchanged."""
+def steps_held(scheduler, after: int = 0):
+    """Let the scheduler's engine take `after` more steps, then hold it before each further step until
+    the block ends, so a running request can neither finish nor free its slot meanwhile. Enter it before
+    the request that must stay running: on a loaded machine the test's client (which shares the GIL with
+    the server's threads) can read a stream's first token after the stream has ended. Admission runs on."""
     engine, release = scheduler.engine, threading.Event()
-    step = engine.step
+    step, taken = engine.step, itertools.count()
 
     def held_step():
-        release.wait(TIMEOUT_S)
+        if next(taken) >= after:
+            release.wait(TIMEOUT_S)
         return step()
 
     engine.step = held_step

@@ -192,10 +192,10 @@ def test_admission_queues_by_default_and_refuses_only_what_never_fits(tiny_llm):
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
             never = await client.post("/v1/completions", json={"prompt": prompts[:2], "n": 2, "max_tokens": 1})
             long = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=long) as r:
-                async for _ in r.aiter_lines():
-                    break  # the one slot is busy now
-                with steps_held(server.scheduler):
+            with steps_held(server.scheduler, after=1):  # the long request's first step, then no more
+                async with client.stream("POST", "/v1/completions", json=long) as r:
+                    async for _ in r.aiter_lines():
+                        break  # the one slot is busy now
                     queued = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "y", "max_tokens": 1}))
                               for _ in range(2)]
                     while server.scheduler.queue_depth < 2:

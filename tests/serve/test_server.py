@@ -547,10 +547,10 @@ def test_invalid_json_tokenizer_chat_template_and_full_queue(tiny_llm):
             chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                    "max_tokens": 4, "temperature": 0})
             long = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=long) as r:
-                async for _ in r.aiter_lines():
-                    break  # the one slot is busy now; the queue holds nothing
-                with steps_held(server.scheduler):
+            with steps_held(server.scheduler, after=1):  # the long request's first step, then no more
+                async with client.stream("POST", "/v1/completions", json=long) as r:
+                    async for _ in r.aiter_lines():
+                        break  # the one slot is busy now; the queue holds nothing
                     full = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             models = await client.get("/v1/models")
             health = await client.get("/health")
