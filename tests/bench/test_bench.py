@@ -180,21 +180,14 @@ def _small_run(model, out, *extra):
                     "--temperature", "0", "--json", str(out / "r.json"), "--markdown", str(out / "r.md"), *extra]
 
 
-def test_a_failed_final_write_keeps_the_report_elsewhere(model, tmp_path, monkeypatch, capsys):
+def test_a_failed_final_write_keeps_the_report_elsewhere(model, tmp_path, monkeypatch, capsys, disk_full_in):
     """(case bench-final-write-fails) The disk fills up during the run: the report goes to the temporary
     directory, stderr says where, exit 1; nothing half-written is left beside the asked path."""
     import errno
 
     import trtllm_moespec.outfiles as outfiles
 
-    real = outfiles.write_text_atomic
-
-    def full_disk(path, text):
-        if Path(path).parent == tmp_path:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, text)
-
-    monkeypatch.setattr(outfiles, "write_text_atomic", full_disk)
+    disk_full_in(tmp_path)
     assert bench_main(_small_run(model, tmp_path)) == 1
     err = capsys.readouterr().err
     moved = re.search(r"cannot write --json \S+r\.json \(No space left on device\); the report went to (\S+)", err)

@@ -6,6 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from tests.models.conftest import build_hf, gpt_oss_config, qwen3_moe_config
 from trtllm_moespec import TreeConfig
@@ -57,3 +59,16 @@ def forced_speculation(model_id: str = "moespec-tiny", tree: TreeConfig = TreeCo
                       device="cpu", dtype="float32", tree=tree.as_tuple(), method="forced cheap (tests)",
                       expert_model=ExpertCostModel(1.0, 1e-6, 1e-6))
     return {"guard": "off", "draft_stop": False, "cost_profile": costs, "tree": tree}
+
+
+def hf_greedy_references(target_dir, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation (no eos stop) of each text prompt: the exactness reference."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(target_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    refs = []
+    for prompt in prompts:
+        ids = tok.encode(prompt, add_special_tokens=False)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        refs.append(out[0, len(ids):].tolist())
+    return refs

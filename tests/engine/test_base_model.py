@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
 
+from tests.engine.conftest import hf_greedy_references
 from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.assets import shipped_model_paths
 
@@ -39,15 +38,7 @@ def test_the_shipped_family_is_complete_and_in_the_regime(paths):
 
 @pytest.fixture(scope="module")
 def references(paths):
-    tok = transformers.AutoTokenizer.from_pretrained(str(paths["target"]))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(paths["target"]), dtype=torch.float32)
-    refs = []
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt, add_special_tokens=False)
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        refs.append(out[0, len(ids):].tolist())
-    return refs
+    return hf_greedy_references(paths["target"], PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("policy", ["ar", "eagle3", "ddd", "coverage", "evict", "ecospec", "joint"])

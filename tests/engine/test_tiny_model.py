@@ -4,10 +4,8 @@ its drafts are accepted."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
-from tests.engine.conftest import forced_speculation
+from tests.engine.conftest import forced_speculation, hf_greedy_references
 from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.assets import tiny_model_paths
 
@@ -22,15 +20,7 @@ MIN_ACCEPTED = {("eagle3", "eagle3"): 10, ("ddd", "eagle3"): 10, ("evict", "eagl
 @pytest.fixture(scope="module")
 def references():
     path = tiny_model_paths()["target"]
-    tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    refs = []
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt, add_special_tokens=False)
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        refs.append(out[0, len(ids):].tolist())
-    return refs
+    return hf_greedy_references(path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("policy,drafter", [("ar", "eagle3"), ("eagle3", "eagle3"), ("ddd", "eagle3"),

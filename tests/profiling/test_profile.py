@@ -147,30 +147,20 @@ def test_trim_values_drops_spikes_on_both_sides():
     assert trim_values([1.0, 50.0]) == [1.0, 50.0]  # too few to call anything an outlier
 
 
-def test_profile_file_mode_and_a_failed_final_write(profiled, tmp_path, monkeypatch, capsys):
+def test_profile_file_mode_and_a_failed_final_write(profiled, tmp_path, capsys, disk_full_in):
     """(case report-umask) The profile is created with the usual mode (0o666 less the umask), not 0600;
     (case profile-final-write-fails) a final write that fails (full disk) puts the profile in the
     temporary directory, says where, and exits 1."""
-    import errno
     import os
     import re
     import stat
     from pathlib import Path
 
-    import trtllm_moespec.outfiles as outfiles
-
     target, draft, path = profiled
     umask = os.umask(0o022)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
-    real = outfiles.write_text_atomic
-
-    def full_disk(p, text):
-        if Path(p).parent == tmp_path:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(p, text)
-
-    monkeypatch.setattr(outfiles, "write_text_atomic", full_disk)
+    disk_full_in(tmp_path)
     rc = cli_main(["profile", "--model", str(target), "--draft-model", str(draft), "--tree", "2,4,8", "--repeats", "3",
                    "--warmup", "1", "--prompts", "def add(a, b):", "--allow-noisy", "--out", str(tmp_path / "p.json")])
     assert rc == 1

@@ -401,13 +401,11 @@ def keep_top_nodes(tree: DraftTree, m: int) -> DraftTree:
     pruning keeps the same prefix of the score order). A tree of at most m nodes is returned as is."""
     if tree.num_nodes <= m:
         return tree
-    top = top_k_nodes(tree, m)  # [B, m] (-1 where fewer valid nodes exist)
-    keep = torch.zeros_like(tree.valid)
-    rows = torch.arange(tree.batch_size, device=top.device)[:, None].expand_as(top)
-    keep[rows[top >= 0], top[top >= 0]] = True
-    keep &= tree.valid
-    return DraftTree(tree.token_ids, torch.where(keep, tree.parents, -1), torch.where(keep, tree.depth, 0),
-                     tree.draft_probs, torch.where(keep, tree.log_scores, _NEG_INF), keep)
+    N = tree.num_nodes
+    top = top_k_nodes(tree, m)  # [B, m] (-1 where fewer valid nodes exist: sent to a spare column)
+    keep = torch.zeros(tree.batch_size, N + 1, dtype=torch.bool, device=top.device)
+    keep.scatter_(1, torch.where(top >= 0, top, N), True)
+    return _only(tree, keep[:, :N] & tree.valid)
 
 
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -420,5 +418,10 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     keep = tree.valid & (tree.depth <= max_depth)
     if bool(keep.equal(tree.valid)):
         return tree
+    return _only(tree, keep)
+
+
+def _only(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """The tree with only the nodes where keep [B, N] (a parent-closed subset of the valid ones) valid."""
     return DraftTree(tree.token_ids, torch.where(keep, tree.parents, -1), torch.where(keep, tree.depth, 0),
                      tree.draft_probs, torch.where(keep, tree.log_scores, _NEG_INF), keep)
