@@ -110,8 +110,8 @@ def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) ->
                    help="speculate-or-not before each step: auto (default) = the measured goodput guard for the "
                         "cost-aware policies, off for eagle3; profiled = k=0 on the profiled costs only")
     p.add_argument("--draft-stop", default=None, action=argparse.BooleanOptionalAction,
-                   help="stop drafting when another drafter forward cannot pay (default: on for the cost-aware "
-                        "policies when the cost profile has the drafter-forward cost)")
+                   help="cost-aware policies: stop drafting when more drafter forwards cannot pay, on the "
+                        "profile's costs and the node values (default: off, see docs/guard.md)")
     p.add_argument("--threads", type=_bounded_int(1), default=1,
                    help="torch intra-op threads on CPU (small models gain nothing from more, and a shared CPU "
                         "makes OpenMP barriers stall)")

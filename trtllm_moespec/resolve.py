@@ -125,16 +125,18 @@ def _resolve_guard(policy: str, mode: str, profile: CostTable | None) -> str:
 
 
 def _resolve_draft_stop(policy: str, requested: bool | None, profile: CostTable | None) -> bool:
-    """Stop drafting when another drafter forward cannot pay (core.drafting): on by default for the
-    cost-aware policies when the profile has the cost of one drafter forward."""
-    wanted = (policy in COST_AWARE and policy != "ddd") if requested is None else requested
-    if not wanted:
+    """Stop drafting when more drafter forwards cannot pay (core.drafting): off unless requested.
+    It ranks on node values, and a tree it keeps shallow is never verified deep, so the deep values
+    are never corrected: on moespec-base at T=0 it held evict at ~2 tokens per step on text that
+    fills 4-node chains (-16% tokens/s, runs/perf/guard_diag.py), while a drafter forward there
+    costs 1/14 of a plain step, which is all it could save."""
+    if not requested:
         return False
+    if policy not in COST_AWARE or policy == "ddd":
+        raise ValueError(f"draft_stop=True is for the cost-aware policies (not ddd), got policy {policy!r}")
     if profile is None or profile.draft_forward is None:
-        if requested:
-            raise ValueError("draft_stop=True needs a cost profile with the cost of one drafter forward; "
-                             "re-profile with `moespec profile`")
-        return False
+        raise ValueError("draft_stop=True needs a cost profile with the cost of one drafter forward; "
+                         "re-profile with `moespec profile`")
     return True
 
 

@@ -234,13 +234,15 @@ def test_stop_rule_cuts_drafting_and_stays_exact(checkpoints, reference):
     profile = CostTable(tuple(0.010 + 0.0004 * k for k in range(33)), model_id="qwen3_moe", device="cpu",
                         dtype="float32", tree=(4, 8, 32), expert_model=ExpertCostModel(0.010, 0.0002, 0.0001),
                         plain_step=0.004, draft_forward=1.0)
-    llm = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off")
+    llm = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off", draft_stop=True)
     assert llm.engine.draft_source.stop_rule is not None
     out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert out.token_ids == reference["qwen3_moe"]
     assert max(out.stats.acceptance_lengths) <= 2  # depth-1 trees: at most one accepted node + bonus
-    off = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off", draft_stop=False)
-    assert off.engine.draft_source.stop_rule is None
+    off = LLM(str(target), draft_model=str(draft), policy="evict", cost_profile=profile, guard="off")
+    assert off.engine.draft_source.stop_rule is None  # opt-in
+    with pytest.raises(ValueError, match="cost-aware"):
+        LLM(str(target), draft_model=str(draft), policy="eagle3", cost_profile=profile, draft_stop=True)
     assert LLM(str(target), draft_model=str(draft), policy="eagle3").engine.guard is None  # the fixed baseline stays fixed
     with pytest.raises(ValueError, match="guard must be one of"):
         LLM(str(target), draft_model=str(draft), policy="evict", guard="sometimes")

@@ -7,16 +7,20 @@ to decisions the selection policies never see:
   exactly one token for `plain_step_s`; a speculative step commits `expected_tokens`
   for `spec_step_s` (drafting included). Speculate only when tokens/s is higher.
 - `expand_pays`: between drafter forwards. Another forward costs `draft_forward_s`
-  and can add, at most, the frontier's value: at temperature 0 at most one child of a
-  node is accepted, so the expected accepted children of v are <= value(v), and the
-  values of one depth sum to <= 1. Expand only when that gain, over the forward's
-  cost plus the verify cost of the extra nodes, beats the best rate the tree already
-  offers (max_k (1 + S_k) / C(k), with C(k) credited for the forwards not run). The
-  extra nodes are counted as the frontier's effective number, G / max value (about one
-  when one child dominates): charging every frontier node's verification would stop
-  drafting at depth 1 even when a single likely chain would pay. (A lookahead over
-  several levels adds nothing here: with per-level gains that shrink, if one level
-  cannot pay, more cannot either.)
+  and adds, at most, the frontier's value: at temperature 0 at most one child of a
+  node is accepted, so the expected accepted children of v are <= value(v). We expect
+  a level to keep the share `continuation` of the level before it (the tree's own ratio
+  of its last two levels' values), so the next level adds G * continuation, the one
+  after G * continuation^2, and so on. Expand when some number j of further forwards,
+  up to those left, beats the best rate the tree already offers (max_k (1 + S_k) / C(k),
+  with C(k) credited for the forwards not run): (1 + S + gains of j levels) over the
+  cost of j forwards plus verifying the new nodes. Looking j levels ahead matters on
+  MoE targets: verifying the first node costs far more than each next one (C(1) - C(0)
+  is several times C(2) - C(1): one token wakes experts a second one mostly shares), so
+  one level alone may not pay where a chain of levels does. The extra nodes per level
+  are counted as the frontier's effective number, G / max value (about one when one
+  child dominates): charging every frontier node's verification would stop drafting
+  at depth 1 even when a single likely chain would pay.
 - `DraftStopRule`: `expand_pays` packaged as the callable the EAGLE-3 drafting loop
   consults (`models/eagle3_draft.py`).
 
@@ -67,23 +71,26 @@ def speculation_pays(expected_tokens: float, spec_step_s: float, plain_step_s: f
 
 
 def expand_pays(sorted_values: torch.Tensor, frontier_values: torch.Tensor, cost_table: torch.Tensor,
-                forwards_left: int, draft_forward_s: float) -> torch.Tensor:
-    """[B] bool: is one more drafter forward worth its cost?
+                forwards_left: int, draft_forward_s: float, continuation: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """[B] bool: are more drafter forwards worth their cost?
 
     sorted_values: [B, N] node values of the tree so far, descending (invalid = 0);
     frontier_values: [B, F] values of the nodes the next forward would expand (invalid = 0);
     cost_table: [K+1] C(k) seconds of a full speculative step (all drafter forwards run);
-    forwards_left: drafter forwards C(k) counts that have not run yet (this one included).
+    forwards_left: drafter forwards C(k) counts that have not run yet (this one included);
+    continuation: [B] (or one number) the share of a level's value the level below it is expected
+    to keep, in [0, 1]; with 1 the deeper levels are worth the frontier's value each (the bound).
     """
     vals = sorted_values.detach().cpu().double().numpy()
     front = frontier_values.detach().cpu().double().numpy()
     table = cost_table.detach().cpu().double().numpy()
-    return torch.from_numpy(_expand_pays_host(vals, front, table, forwards_left, draft_forward_s))
+    q = np.broadcast_to(torch.as_tensor(continuation, dtype=torch.float64).cpu().numpy(), vals.shape[:1])
+    return torch.from_numpy(_expand_pays_host(vals, front, table, forwards_left, draft_forward_s, q))
 
 
 def _expand_pays_host(vals: np.ndarray, front: np.ndarray, table: np.ndarray, forwards_left: int,
-                      draft_forward_s: float) -> np.ndarray:
-    """`expand_pays` on float64 numpy arrays (the same shapes) -> [B] bool."""
+                      draft_forward_s: float, continuation: np.ndarray) -> np.ndarray:
+    """`expand_pays` on float64 numpy arrays (the same shapes, continuation [B]) -> [B] bool."""
     K = table.shape[0] - 1
     # Step cost if drafting stopped now: the forwards not run are not paid (floor: a tiny positive cost).
     now = np.maximum(table - forwards_left * draft_forward_s, 1e-9)  # [K+1]
@@ -94,16 +101,29 @@ def _expand_pays_host(vals: np.ndarray, front: np.ndarray, table: np.ndarray, fo
     k_star = utility.argmax(1)
     rows = np.arange(B)
     best_rate = utility[rows, k_star]
-    gain = front.sum(1)
+    gain = front.sum(1)  # [B] the next level's value, at most
     effective = np.maximum(np.round(gain / np.maximum(front.max(1, initial=0.0), 1e-12)), 1).astype(np.int64)
-    k_next = np.minimum(k_star + effective, K)
-    next_cost = now[k_next] + draft_forward_s
-    return ((1.0 + cu[rows, k_star] + gain) / next_cost > best_rate) & (gain > 0)
+    j = np.arange(1, max(forwards_left, 1) + 1)  # [J] further forwards
+    q = np.clip(continuation, 0.0, 1.0)[:, None]
+    gains = gain[:, None] * np.cumsum(q ** (j[None, :] - 1), 1)  # [B, J] value of j more levels
+    k_next = np.minimum(k_star[:, None] + effective[:, None] * j[None, :], K)  # [B, J]
+    next_cost = now[k_next] + j[None, :] * draft_forward_s
+    rate = (1.0 + cu[rows, k_star][:, None] + gains) / next_cost
+    return (rate.max(1) > best_rate) & (gain > 0)
+
+
+def level_continuation(values: np.ndarray, depth: np.ndarray, frontier_depth: int) -> np.ndarray:
+    """[B] the tree's last two levels' value ratio: sum of values at `frontier_depth` over the sum one
+    level up (the root, worth 1, above depth 1), clipped to [0, 1]; what a level below is expected to keep."""
+    last = np.where(depth == frontier_depth, values, 0.0).sum(1)
+    above = np.where(depth == frontier_depth - 1, values, 0.0).sum(1) if frontier_depth > 1 else np.ones(len(values))
+    return np.clip(last / np.maximum(above, 1e-12), 0.0, 1.0)
 
 
 @dataclass(frozen=True)
 class DraftStopRule:
-    """Stop drafting when another forward cannot pay for itself (`expand_pays` per request).
+    """Stop drafting when no number of further forwards can pay for itself (`expand_pays` per request,
+    each level expected to keep the tree's own `level_continuation`).
 
     Called by the drafting loop before each forward after the first level:
     `rule(tree, frontier, num_forwards)` with frontier [B, F] node indices (-1 pad) -> [B] bool stop.
@@ -130,5 +150,6 @@ class DraftStopRule:
         fr = frontier.detach().cpu().numpy()
         frontier_values = np.where(fr >= 0, np.take_along_axis(values, np.maximum(fr, 0), axis=1), 0.0)  # [B, F]
         forwards_left = max(self.steps - 1 - num_forwards, 1)
+        continuation = level_continuation(values, tree.depth.detach().cpu().numpy(), num_forwards + 1)
         return torch.from_numpy(~_expand_pays_host(sorted_values, frontier_values, self._table, forwards_left,
-                                                   self.draft_forward_s))
+                                                   self.draft_forward_s, continuation))
