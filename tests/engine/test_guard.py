@@ -56,7 +56,8 @@ def test_guard_reenables_when_text_becomes_predictable():
 
 
 def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_over_requests():
-    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02, min_spec_steps=1))
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.02, winning_probe_overhead=0.0,
+                              min_spec_steps=1))
     s = guard.start()
     _feed(s, True, 3, 0.050)  # a speculative step costs 5 plain steps and commits 3 tokens: 2 steps lost
     _feed(s, False, 1, 0.010)
@@ -77,6 +78,25 @@ def test_probes_cost_at_most_probe_overhead_of_the_plain_time_and_count_down_ove
     assert cheap.probe_interval() == 2
     with pytest.raises(ValueError, match="probe_overhead"):
         GuardConfig(probe_overhead=0.0)
+
+
+def test_the_probe_budget_relaxes_while_probes_win_and_tightens_while_they_lose():
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.01, winning_probe_overhead=0.1,
+                              min_spec_steps=1))
+    s = guard.start()
+    _feed(s, True, 3, 0.050)  # 2 plain steps of loss per losing probe
+    _feed(s, False, 1, 0.010)
+    assert s.probe_interval() == 40  # even odds at first: a 5% budget
+    for _ in range(12):  # probes that keep losing pull the win rate, and the budget, down to the 1% floor
+        while not s.speculate():
+            _feed(s, False, 1, 0.010)
+        _feed(s, True, 3, 0.050)
+    assert guard.memories[True].probe_win_rate < 0.1 and s.probe_interval() == 200
+    s.probing = True
+    _feed(s, True, 9, 0.050)  # a winning probe (180 tok/s): the win rate rises again
+    assert guard.memories[True].probe_win_rate > 0.25
+    with pytest.raises(ValueError, match="winning_probe_overhead"):
+        GuardConfig(winning_probe_overhead=1.5)
 
 
 def test_one_unlucky_speculative_step_is_no_verdict():

@@ -19,10 +19,13 @@ catches up on the skipped tokens in one forward when drafting resumes) and probe
 speculative step every `probe_every` plain steps; a probe that still loses doubles the
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
 become predictable. The interval is never shorter than what keeps a losing probe's extra
-time (its seconds beyond decoding the tokens it commits plainly) within `probe_overhead`
-of the plain decoding time between probes: where a speculative step costs five plain
-ones and commits three tokens, a probe waits ~200 plain steps at the default 1%, so
-the guard's product is never more than that much slower than plain decoding. Estimates
+time (its seconds beyond decoding the tokens it commits plainly) within a budget share
+of the plain decoding time between probes: `probe_overhead` (1%), or, when larger,
+`winning_probe_overhead` (10%) times the engine's running probe win rate (starting at
+even odds). Where a speculative step costs five plain ones and commits three tokens, a
+probe waits ~40 plain steps while half the probes win and ~200 once they keep losing,
+so where speculation never pays the guard's product is at most ~1% slower than plain
+decoding, and where it often pays again a losing verdict is retried soon. Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
 request starts from what the last ones measured, and short requests do not each restart
@@ -48,6 +51,9 @@ TIME_CLIP = 3.0
 # load) that would make speculation pay is noticed within this many plain steps.
 MAX_PROBE_WAIT = 1024
 
+# Weight of the newest probe in the engine's running probe win rate.
+PROBE_WIN_WEIGHT = 0.25
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -60,6 +66,10 @@ class GuardConfig:
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
     probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
+    # ... or this share times the engine's probe win rate, when larger: where probes often find the text
+    # predictable again (greedy decoding that settles into a pattern) one is worth more than where they
+    # never do (sampling at T=1), so the bound relaxes to what probes have earned (0: the fixed bound only).
+    winning_probe_overhead: float = 0.1
     # Speculative steps an engine measures (per kind of sampling) before the guard may find that speculation
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
@@ -74,6 +84,8 @@ class GuardConfig:
             raise ValueError(f"guard margin must be >= 0, got {self.margin}")
         if not 0.0 < self.probe_overhead <= 1.0:
             raise ValueError(f"probe_overhead must lie in (0, 1], got {self.probe_overhead}")
+        if not 0.0 <= self.winning_probe_overhead <= 1.0:
+            raise ValueError(f"winning_probe_overhead must lie in [0, 1], got {self.winning_probe_overhead}")
         if not (isinstance(self.min_spec_steps, int) and self.min_spec_steps >= 1):
             raise ValueError(f"min_spec_steps must be an integer >= 1, got {self.min_spec_steps!r}")
 
@@ -106,6 +118,7 @@ class GuardMemory:
     plain_s: Ewma = field(default_factory=Ewma)  # seconds per plain step
     probe_every: int | None = None
     since_spec: int = 0  # plain steps since the last speculative one, over requests (the probe countdown)
+    probe_win_rate: float = 0.5  # running share of probes that re-enabled speculation (prior: even odds)
 
 
 class Guard:
@@ -164,11 +177,13 @@ class GuardState:
 
     def probe_interval(self) -> int:
         """Plain steps between probes: the doubling `probe_every`, or more where a losing probe costs
-        more than `probe_overhead` of that many plain steps."""
+        more than the overhead budget of that many plain steps (`probe_overhead`, or
+        `winning_probe_overhead` x the probe win rate when larger)."""
         plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
         if not (plain > 0 and loss > 0):
             return self.probe_every
-        steps = math.ceil(round(loss / (self.config.probe_overhead * plain), 9))  # (rounding: 100.000...01 is 100)
+        budget = max(self.config.probe_overhead, self.config.winning_probe_overhead * self.memory.probe_win_rate)
+        steps = math.ceil(round(loss / (budget * plain), 9))  # (rounding: 100.000...01 is 100)
         return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
 
     def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
@@ -185,6 +200,7 @@ class GuardState:
             if self.probing:
                 self.num_probes += 1
                 won = bool(self.pays())
+                mem.probe_win_rate += PROBE_WIN_WEIGHT * (float(won) - mem.probe_win_rate)
                 self.probe_every = self.config.probe_every if won else min(2 * self.probe_every,
                                                                            self.config.max_probe_every)
                 mem.probe_every = self.probe_every
