@@ -128,7 +128,7 @@ def _resolve_draft_stop(policy: str, requested: bool | None, profile: CostTable 
     """Stop drafting when more drafter forwards cannot pay (core.drafting): off unless requested.
     It ranks on node values, and a tree it keeps shallow is never verified deep, so the deep values
     are never corrected: on moespec-base at T=0 it held evict at ~2 tokens per step on text that
-    fills 4-node chains (-16% tokens/s, runs/perf/guard_diag.py), while a drafter forward there
+    fills 4-node chains (-16% tokens/s, `python -m benchmarks.guard_trace`), while a drafter forward there
     costs 1/14 of a plain step, which is all it could save."""
     if not requested:
         return False

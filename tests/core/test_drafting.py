@@ -1,9 +1,11 @@
 """core.drafting: speculate-or-not and the drafting stop rule on hand-built numbers and trees."""
 
+import numpy as np
 import pytest
 import torch
 
-from trtllm_moespec.core.drafting import DraftingCosts, DraftStopRule, expand_pays, raw_values, speculation_pays
+from trtllm_moespec.core.drafting import (DraftingCosts, DraftStopRule, expand_pays, level_continuation, raw_values,
+                                          speculation_pays)
 from trtllm_moespec.core.tree import DraftTree
 
 
@@ -78,3 +80,21 @@ def test_expand_charges_the_frontiers_effective_node_count():
     spread = torch.full((1, 8), 0.83 / 8)
     assert expand_pays(vals, dominant, table, 1, 0.005).tolist() == [True]
     assert expand_pays(vals, spread, table, 1, 0.005).tolist() == [False]
+
+
+def test_expand_looks_several_levels_ahead_when_the_first_node_is_dear():
+    # C(k): 20 ms, 30 ms for the first verified node, then +1 ms per node; 2 forwards of 1 ms left.
+    # Now: only the root (best 1 / 18 ms = 55.6/s). One level (+0.6 tokens): 1.6 / 29 ms = 55.2/s, no;
+    # two levels (+0.6 + 0.54): 2.14 / 31 ms = 69.0/s, yes -- unless deeper levels keep nothing.
+    table = torch.tensor([0.020, 0.030, 0.031, 0.032], dtype=torch.float64)
+    vals, front = torch.zeros(1, 3), torch.tensor([[0.6]])
+    assert expand_pays(vals, front, table, 2, 0.001, continuation=0.9).tolist() == [True]
+    assert expand_pays(vals, front, table, 2, 0.001, continuation=0.0).tolist() == [False]
+
+
+def test_level_continuation_is_the_ratio_of_the_last_two_levels():
+    values = np.array([[0.8, 0.1, 0.6, 0.05]])
+    depth = np.array([[1, 1, 2, 2]])
+    assert level_continuation(values, depth, 1).tolist() == pytest.approx([0.9])  # depth 1 over the root
+    assert level_continuation(values, depth, 2).tolist() == pytest.approx([0.65 / 0.9])
+    assert level_continuation(np.array([[2.0, 0.5]]), np.array([[1, 1]]), 1).tolist() == [1.0]  # clipped

@@ -84,7 +84,7 @@ def expand_pays(sorted_values: torch.Tensor, frontier_values: torch.Tensor, cost
     vals = sorted_values.detach().cpu().double().numpy()
     front = frontier_values.detach().cpu().double().numpy()
     table = cost_table.detach().cpu().double().numpy()
-    q = np.broadcast_to(torch.as_tensor(continuation, dtype=torch.float64).cpu().numpy(), vals.shape[:1])
+    q = np.broadcast_to(np.asarray(torch.as_tensor(continuation).cpu(), dtype=np.float64), vals.shape[:1])
     return torch.from_numpy(_expand_pays_host(vals, front, table, forwards_left, draft_forward_s, q))
 
 
