@@ -5,13 +5,14 @@ prefix cache). Nothing here chooses a default: `resolve.resolve_config` decided 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ResolvedConfig
-from .core.cost import CostTable
+from .core.cost import CostTable, expert_term_pays
 from .core.policies import SelectionPolicy, make_policy
 from .engine.config import TreeConfig
 from .engine.engine import SpecEngine
@@ -20,6 +21,8 @@ from .resolve import load_predictor, load_value_model
 
 if TYPE_CHECKING:
     from .models.target import TargetModel
+
+log = logging.getLogger(__name__)
 
 
 def load_target(config: ResolvedConfig, shared: "TargetModel | None" = None, ep=None):
@@ -53,7 +56,7 @@ def assemble_engine(config: ResolvedConfig, target: "TargetModel", placement=Non
     policy = build_policy(config.policy, tree, config.profile, options)
     source, eagle3 = _draft_source(config, target)
     predictor = None
-    if policy.needs_experts:
+    if policy.reads_experts:
         predictor = load_predictor("oracle" if config.oracle_predictor else None, config.paths, target, eagle3)
     values = load_value_model(config.spec.values, config.paths, target) if policy.uses_values else None
     prefix = config.runtime.prefix_cache
@@ -73,6 +76,10 @@ def build_policy(name: str, tree: TreeConfig, profile: CostTable | None, options
         if profile is None or profile.expert_model is None:
             raise ValueError("policy 'joint' needs a cost profile with an expert cost fit; run `moespec profile`")
         opts.setdefault("cost_model", profile.expert_model)
+        opts.setdefault("cost_table", profile)
+        if "expert_term" not in opts:
+            opts["expert_term"], why = expert_term_pays(profile)
+            log.info("joint on %s: %s", profile.model_id, why)
     return make_policy("eagle3" if name == "ddd" else name, **opts)
 
 

@@ -213,3 +213,28 @@ def test_ar_selects_nothing():
     tree = random_tree(np.random.default_rng(0), 2, 5)
     sel = make_policy("ar").select(tree)
     assert sel.node_idx.shape == (2, 0) and sel.num_selected.tolist() == [0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seeds)
+def test_joint_without_its_expert_term_selects_as_evict(seed):
+    """Where the profile shows the expert term cannot pay, joint reads no expert sets and its selection is
+    EVICT's on the measured C(k): the same nodes, count, expected tokens and predicted cost."""
+    rng = np.random.default_rng(seed)
+    tree = random_tree(rng, 2, int(rng.integers(0, 20)))
+    table = _table(rng, int(rng.integers(1, 25)))
+    budget = int(rng.integers(1, 12))
+    joint = make_policy("joint", cost_model=ExpertCostModel(1.0, 0.01, 0.05), budget=budget, cost_table=table,
+                        expert_term=False)
+    assert not joint.reads_experts and make_policy("joint", cost_model=ExpertCostModel(1.0, 0.01, 0.05)).reads_experts
+    got, want = joint.select(tree), make_policy("evict", cost_table=table, budget=budget).select(tree)
+    for a, b in zip((got.node_idx, got.num_selected, got.expected_tokens, got.predicted_cost),
+                    (want.node_idx, want.num_selected, want.expected_tokens, want.predicted_cost)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("options,match", [({"expert_term": False}, "CostTable"),
+                                           ({"expert_term": "no"}, "True or False")])
+def test_joint_without_its_expert_term_needs_a_measured_table(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_policy("joint", cost_model=ExpertCostModel(1.0, 0.01, 0.05), **options)

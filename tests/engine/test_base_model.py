@@ -10,6 +10,7 @@ import pytest
 from tests.engine.conftest import hf_greedy_references
 from trtllm_moespec import LLM, SamplingParams
 from trtllm_moespec.assets import shipped_model_paths
+from trtllm_moespec.core.cost import CostTable, expert_term_pays
 
 PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n"]
 MAX_TOKENS = 24
@@ -30,9 +31,8 @@ def test_the_shipped_family_is_complete_and_in_the_regime(paths):
     assert paths["calibrator"].is_file()
     profile = json.loads((paths["target"].parent / "cost_profile.json").read_text())
     assert profile["model_id"] == "moespec-base" and profile["expert_model"]
-    # the deployment regime, not moespec-tiny's 0.22: the issue's bound is 1/10 (goal 1/16); the shipped,
-    # noisy profile measured 0.103, so this guards the regime at 1/8 until a quiet re-profile
-    assert profile["draft_forward"] <= profile["plain_step"] / 8
+    # the deployment regime, not moespec-tiny's 0.22: the issue's bound is 1/10 (goal 1/16; measured 0.073)
+    assert profile["draft_forward"] <= profile["plain_step"] / 10
     assert profile["costs"][8] >= 2 * profile["plain_step"]  # verified nodes wake experts in every layer
 
 
@@ -41,11 +41,24 @@ def references(paths):
     return hf_greedy_references(paths["target"], PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("policy", ["ar", "eagle3", "ddd", "coverage", "evict", "ecospec", "joint"])
+def test_the_shipped_profile_turns_joints_expert_term_off(paths):
+    """On this CPU a woken expert costs ~5 us at a fixed verified count: choosing nodes by their experts
+    can move a step by ~0.25 ms while the predictor and greedy cost ~3.4 ms, so joint selects as evict."""
+    table = CostTable.load(paths["target"].parent / "cost_profile.json")
+    pays, why = expert_term_pays(table)
+    assert not pays and table.expert_model.expert_saving < table.expert_overhead / 4, why
+    llm = LLM("moespec-base")
+    assert llm.policy.name == "joint" and not llm.policy.reads_experts and llm.engine.predictor is None
+
+
+@pytest.mark.parametrize("policy", ["ar", "eagle3", "ddd", "coverage", "evict", "ecospec", "joint", "joint+experts"])
 def test_every_policy_is_exact_on_moespec_base(references, policy):
     """Greedy output equals transformers'; the speculative policies accept drafts (guard off, so each
-    step speculates: what is checked is the verification of selected trees, not plain steps)."""
-    llm = LLM("moespec-base", policy=policy, guard="off")
+    step speculates: what is checked is the verification of selected trees, not plain steps).
+    joint+experts: joint with its expert term forced on (the draft-head predictor runs)."""
+    options = {"policy_options": {"expert_term": True}} if policy == "joint+experts" else {}
+    llm = LLM("moespec-base", policy=policy.split("+")[0], guard="off", **options)
+    assert llm.engine.predictor is not None or policy != "joint+experts"
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     accepted = sum(s.accepted_tokens for out in outs for s in out.steps)
     for out, ref in zip(outs, references):

@@ -7,6 +7,7 @@ and retired requests give their cache slots back."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -363,3 +364,18 @@ def test_max_depths_read_every_request_in_one_transfer():
         got = _build_layout_tensors(tree, node_idx, root, depth)
         for name in ("token_ids", "parent_pos", "depth", "valid", "num_nodes"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_joint_batch_without_its_expert_term_selects_as_evict_batch(checkpoints, references_qwen):
+    """Where the profile says joint's expert term cannot pay, joint-batch selects as evict-batch on the
+    measured C(k) (no predictor loaded) and every request stays exact."""
+    forced = forced_speculation(model_id="qwen3_moe")
+    profile = replace(forced["cost_profile"], expert_overhead=1e-3,
+                      expert_model=replace(forced["cost_profile"].expert_model, c_exp_within=1e-7, unique_spread=10.0))
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle", **{**forced, "cost_profile": profile})
+    requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    engine = BatchedEngine(llm.engine, max_batch_size=3, batch_policy="joint-batch", goodput_guard=False)
+    assert llm.engine.predictor is None and isinstance(engine.costs, BatchTableCosts)
+    _drive(engine, requests, admit_every=2)
+    assert [r.output_ids for r in requests] == references_qwen
+    assert any(s.verified_tokens > 0 for r in requests for s in r.steps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -170,3 +171,21 @@ def test_profile_file_mode_and_a_failed_final_write(profiled, tmp_path, capsys, 
     assert CostTable.load(moved[1], override=True).tree == (2, 4, 8) and f"wrote {moved[1]}" in captured.out
     assert not list(tmp_path.iterdir())
     Path(moved[1]).unlink()
+
+
+def test_expert_overhead_is_measured_where_joint_has_a_predictor(profiled):
+    """What joint's expert term costs a step is timed side by side with evict on the real engines; a model
+    without an expert predictor has nothing to decide (None), and its profile says so."""
+    from trtllm_moespec import LLM
+    from trtllm_moespec.core.cost import expert_term_pays
+    from trtllm_moespec.profiling import measure_expert_overhead
+
+    target, draft, path = profiled
+    assert CostTable.load(path).expert_overhead is None  # the random checkpoint ships no predictor
+    tiny = LLM("moespec-tiny", policy="eagle3")
+    table = CostTable.load(tiny.paths.cost_profile)
+    overhead = measure_expert_overhead(tiny, table, [[5, 17, 33, 2, 9, 100, 4]], tokens=16)
+    assert overhead is not None and 0 < overhead < 0.1  # seconds: the predictor runs and is timed
+    with_it = replace(table, expert_overhead=overhead,
+                      expert_model=replace(table.expert_model, c_exp_within=0.0, unique_spread=10.0))
+    assert expert_term_pays(with_it)[0] is False  # a term that saves nothing never pays for a predictor

@@ -4,7 +4,9 @@
   use (median of repeated whole iterations), stored as JSON with the metadata
   that says what it is valid for (model, device, dtype, tree config).
 - `ExpertCostModel`: C(k, U) = c0 + c_tok * k + c_exp * U, fitted by least squares
-  over profiled steps, U = unique activated (layer, expert) pairs.
+  over profiled steps, U = unique activated (layer, expert) pairs; with the within-k
+  slope of U and the spread of U at fixed k, which say what choosing nodes by their
+  experts can save at all (`expert_term_pays`).
 - `RooflineCostModel`: a bandwidth/compute estimate from a model config and a
   device preset, for planning without the hardware (see presets.py for numbers).
 """
@@ -42,6 +44,9 @@ class CostTable:
     plain_step: float | None = None  # seconds of a plain decoding step (no drafting), for k = 0 before drafting
     draft_forward: float | None = None  # seconds of one drafter forward while drafting a tree
     load_average: tuple[float, ...] | None = None  # os.getloadavg() before and after measuring
+    # seconds per speculative step that joint's expert term adds: the expert predictor and the expert-aware
+    # greedy selection, beyond EVICT's prefix selection (median over steps; `moespec profile`)
+    expert_overhead: float | None = None
 
     def __post_init__(self) -> None:
         costs = tuple(float(c) for c in self.costs)
@@ -57,6 +62,9 @@ class CostTable:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"cost profile field {name} must be a positive number of seconds, got {v!r}")
+        v = self.expert_overhead
+        if v is not None and not (_is_number(v) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"cost profile field expert_overhead must be a number of seconds >= 0, got {v!r}")
         if self.tree is not None:
             object.__setattr__(self, "tree", tuple(int(x) for x in self.tree))
             if len(self.tree) != 3:
@@ -132,6 +140,7 @@ class CostTable:
             plain_step=d.get("plain_step"),
             draft_forward=d.get("draft_forward"),
             load_average=_numbers(d["load_average"], "load_average") if d.get("load_average") is not None else None,
+            expert_overhead=d.get("expert_overhead"),
         )
 
     @staticmethod
@@ -171,13 +180,13 @@ def _tree_field(value: Any) -> tuple[int, int, int]:
 
 
 def _expert_model_field(value: Any) -> "ExpertCostModel":
-    names = ("c0", "c_tok", "c_exp", "residual_rms", "num_samples")
+    names = ("c0", "c_tok", "c_exp", "residual_rms", "num_samples", "c_exp_within", "unique_spread")
     if not isinstance(value, dict):
         raise ValueError(f"field 'expert_model' must be an object with {', '.join(names[:3])}, got {value!r:.80}")
     for key, x in value.items():
         if key not in names:
             raise ValueError(f"field 'expert_model.{key}' is unknown (expected {', '.join(names)})")
-        if not _is_number(x):
+        if not _is_number(x) and not (x is None and key in names[5:]):
             raise ValueError(f"field 'expert_model.{key}' must be a number, got {x!r:.80}")
     missing = [k for k in names[:3] if k not in value]
     if missing:
@@ -190,13 +199,21 @@ def _expert_model_field(value: Any) -> "ExpertCostModel":
 
 @dataclass(frozen=True)
 class ExpertCostModel:
-    """C(k, U) = c0 + c_tok * k + c_exp * U (seconds), with the fit's residual error."""
+    """C(k, U) = c0 + c_tok * k + c_exp * U (seconds), with the fit's residual error.
+
+    The global fit's c_exp also absorbs the curvature of C(k) (U grows with k), so what a
+    step costs per extra woken expert *at a fixed number of verified tokens*, the only
+    thing choosing nodes by their experts can change, is fitted apart: `c_exp_within`,
+    the pooled within-k slope (one intercept per k), and `unique_spread`, the pooled
+    standard deviation of U at fixed k (k >= 1). None in profiles made before them."""
 
     c0: float
     c_tok: float
     c_exp: float
     residual_rms: float = 0.0  # seconds, root-mean-square residual of the fit
     num_samples: int = 0
+    c_exp_within: float | None = None  # seconds per woken (layer, expert) pair at fixed k, >= 0
+    unique_spread: float | None = None  # pairs: standard deviation of U at fixed k (k >= 1), pooled
 
     def __post_init__(self) -> None:
         for name in ("c0", "c_tok", "c_exp"):
@@ -204,9 +221,21 @@ class ExpertCostModel:
                 raise ValueError(f"ExpertCostModel.{name} is not finite")
         if self.c0 <= 0:
             raise ValueError(f"ExpertCostModel.c0 must be positive (a step always costs something), got {self.c0}")
+        for name in ("c_exp_within", "unique_spread"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"ExpertCostModel.{name} must be a finite number >= 0, got {v}")
 
     def predict(self, k: float | np.ndarray, unique: float | np.ndarray) -> float | np.ndarray:
         return self.c0 + self.c_tok * k + self.c_exp * unique
+
+    @property
+    def expert_saving(self) -> float | None:
+        """Seconds per step that choosing nodes by their experts can move at a fixed verified count:
+        one standard deviation of U at fixed k, priced at the within-k slope (None: not fitted)."""
+        if self.c_exp_within is None or self.unique_spread is None:
+            return None
+        return self.c_exp_within * self.unique_spread
 
     @staticmethod
     def fit(k: np.ndarray, unique: np.ndarray, latency: np.ndarray) -> "ExpertCostModel":
@@ -229,7 +258,42 @@ class ExpertCostModel:
             cols.remove(min(negative, key=lambda c: coef[c]))
         resid = latency - X @ coef
         c0 = max(float(coef[0]), 1e-9)
-        return ExpertCostModel(c0, float(coef[1]), float(coef[2]), float(np.sqrt(np.mean(resid**2))), len(k))
+        within, spread = _within_k(k, unique, latency)
+        return ExpertCostModel(c0, float(coef[1]), float(coef[2]), float(np.sqrt(np.mean(resid**2))), len(k),
+                               within, spread)
+
+
+def _within_k(k: np.ndarray, unique: np.ndarray, latency: np.ndarray) -> tuple[float | None, float | None]:
+    """(pooled within-k slope of latency on U, clamped >= 0; pooled standard deviation of U at fixed k >= 1):
+    each k's own mean is removed first, so the k-curve cannot leak into the slope. None without spread."""
+    du, dt = np.empty(0), np.empty(0)
+    for value in np.unique(k):
+        at = k == value
+        if at.sum() < 2 or value < 1:
+            continue
+        du = np.concatenate([du, unique[at] - unique[at].mean()])
+        dt = np.concatenate([dt, latency[at] - latency[at].mean()])
+    if len(du) < 2 or not (du**2).sum() > 0:
+        return None, None
+    return max(float((du * dt).sum() / (du**2).sum()), 0.0), float(np.sqrt(np.mean(du**2)))
+
+
+def expert_term_pays(table: CostTable) -> tuple[bool, str]:
+    """Should joint pay for its expert term (the predictor and the expert-aware greedy) on this profile?
+
+    It can save at most about `ExpertCostModel.expert_saving` per step (a standard deviation
+    of U at fixed k, at the within-k price) and costs `CostTable.expert_overhead`. Where the
+    profile lacks either measurement the term stays on (the behaviour before they existed).
+    Returns (decision, the reason in words)."""
+    m = table.expert_model
+    saving = m.expert_saving if m is not None else None
+    if saving is None or table.expert_overhead is None:
+        return True, "the cost profile does not measure what the expert term saves and costs (re-run `moespec profile`)"
+    verdict = "pays" if saving >= table.expert_overhead else "does not pay"
+    return saving >= table.expert_overhead, (
+        f"the expert term {verdict}: choosing nodes by their experts can move a step by ~{saving * 1e3:.2f} ms "
+        f"({m.unique_spread:.0f} (layer, expert) pairs at {m.c_exp_within * 1e6:.1f} us each, fixed k) and costs "
+        f"{table.expert_overhead * 1e3:.2f} ms (predictor and greedy selection)")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ the verifier's random numbers, so verification stays lossless.
             (ecospec and joint take a `placement`: under expert parallelism "new experts"
             and U count U_max, each MoE layer's busiest rank, see placement.py)
   joint     ours: greedy by score / (c_tok + c_exp * new experts), stop at the
-            utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
+            utility peak (1 + S_j) / (c0 + c_tok*j + c_exp*U_j); where the profile shows the
+            expert term cannot pay for its predictor (`expert_term=False`, see
+            core/cost.py `expert_term_pays`) it selects as evict on the measured C(k)
   coverage  smallest top prefix with S_k / S_K >= rho
   oracle    analysis only: orders by the true acceptance probability of each path
 
@@ -59,6 +61,11 @@ class SelectionPolicy(ABC):
     # Cost-aware policies rank on node values (core/values.py): the engine hands them a tree whose
     # scores are the value model's estimated acceptance probabilities instead of raw path scores.
     uses_values: ClassVar[bool] = False
+
+    @property
+    def reads_experts(self) -> bool:
+        """Whether this instance reads predicted expert sets (the engine runs the predictor only then)."""
+        return self.needs_experts
 
     @abstractmethod
     def select(
@@ -192,6 +199,10 @@ class JointPolicy(SelectionPolicy):
     cost_model: ExpertCostModel
     budget: int = 32  # cap on verified nodes
     placement: ExpertPlacement | None = None  # EP: C(k, U_max), U_max = sum over layers of the busiest rank's experts
+    # False: the expert term cannot pay for its predictor here, so select as EVICT on the measured C(k)
+    # (the engine then runs no predictor); needs `cost_table`
+    expert_term: bool = True
+    cost_table: CostTable | None = None
     name: ClassVar[str] = "joint"
     uses_values: ClassVar[bool] = True
     needs_experts: ClassVar[bool] = True
@@ -200,8 +211,18 @@ class JointPolicy(SelectionPolicy):
         if not isinstance(self.cost_model, ExpertCostModel):
             raise ValueError("joint needs an ExpertCostModel (fitted by `moespec profile`)")
         _check_budget(self.budget, "joint")
+        if not isinstance(self.expert_term, bool):
+            raise ValueError(f"joint expert_term must be True or False, got {self.expert_term!r}")
+        if not self.expert_term and not isinstance(self.cost_table, CostTable):
+            raise ValueError("joint without its expert term selects on the measured C(k): it needs a CostTable")
+
+    @property
+    def reads_experts(self) -> bool:
+        return self.expert_term
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
+        if not self.expert_term:
+            return _evict(tree, tree.scores, self.cost_table, self.budget)
         m = self.cost_model
         traj = _trajectories(tree, experts, self.name)
         token_cost = joint_token_cost(m.c_tok, m.c_exp)

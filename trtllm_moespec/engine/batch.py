@@ -107,7 +107,9 @@ class BatchedEngine:
         self.max_batch_size = max_batch_size
         self.batch_policy = batch_policy
         self.joint_batch = batch_policy == "joint-batch"
-        self.costs = costs if costs is not None else _default_costs(engine, batch_policy)
+        # joint without its expert term (the profile says it cannot pay here) selects as EVICT does
+        self._selects_as = "evict-batch" if self.joint_batch and not engine.policy.reads_experts else batch_policy
+        self.costs = costs if costs is not None else _default_costs(engine, self._selects_as)
         if isinstance(goodput_guard, GoodputGuard):
             self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
         else:
@@ -294,11 +296,11 @@ class BatchedEngine:
         if drafts[0] is None:  # plain decoding step: every request verifies its root only
             return [torch.zeros(1, 0, dtype=torch.int64, device=self.target.device) for _ in running]
         valued = [self._valued(a, d) for a, d in zip(running, drafts)]
-        if self.batch_policy == "joint-batch":
+        if self._selects_as == "joint-batch":
             return self._joint_batch(valued, predictions)
-        if self.batch_policy == "evict-batch":
+        if self._selects_as == "evict-batch":
             return self._evict_batch(valued)
-        if self.batch_policy == "ecospec-batch":
+        if self._selects_as == "ecospec-batch":
             return self._ecospec_batch(valued, predictions)
         return [self.engine._select(v, e, rb, None).node_idx for v, (e, rb) in zip(valued, predictions)]
 
@@ -414,7 +416,7 @@ def _check_batch_policy(engine: SpecEngine, batch_policy: str | None) -> None:
         raise ValueError(f"unknown batch policy {batch_policy!r}; choose one of {', '.join(BATCH_POLICIES)}")
     if engine.policy.name != base:
         raise ValueError(f"{batch_policy} needs the model loaded with policy {base!r}, not {engine.policy.name!r}")
-    if base in ("joint", "ecospec") and engine.predictor is None:
+    if base in ("joint", "ecospec") and engine.policy.reads_experts and engine.predictor is None:
         raise ValueError(f"{batch_policy} needs an expert predictor (load the model with policy {base!r})")
 
 

@@ -294,12 +294,12 @@ class SpecEngine:
         the verify cap by score (a parent-closed prefix, as EAGLE-3 prunes). Expert prediction costs
         per node; a tree of ~200 nodes made it a tenth of a moespec-base step while selections
         take 2-8 nodes from the top few dozen."""
-        if self.predictor is None or not self.policy.needs_experts:
+        if self.predictor is None or not self.policy.reads_experts:
             return tree
         return keep_top_nodes(tree, CANDIDATES_PER_VERIFIED * self.tree.max_draft_tokens)
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
-        if self.predictor is None or not self.policy.needs_experts:
+        if self.predictor is None or not self.policy.reads_experts:
             return None, None
         return self.predictor.predict(context, tree, draft, cache)
 

@@ -28,8 +28,8 @@ def select_on_device(policy: SelectionPolicy, tree: DraftTree, experts: ExpertSe
     B, N = tree.token_ids.shape
     if isinstance(policy, Eagle3Policy):
         return eagle3_top_nodes(tree, policy.budget)
-    if isinstance(policy, EvictPolicy):
-        table = policy.cost_table
+    if isinstance(policy, EvictPolicy) or (isinstance(policy, JointPolicy) and not policy.expert_term):
+        table = policy.cost_table  # (joint without its expert term selects as EVICT)
         budget = table.max_nodes if policy.budget is None else min(policy.budget, table.max_nodes)
         empty = torch.zeros(B, N, 1, dtype=torch.int64, device=device)
         return select_tree(tree.scores, tree.parents, tree.valid, tree.depth, empty, empty[:, 0],

@@ -7,7 +7,10 @@ speculative iteration (draft, select, verify, commit) through the real engine, w
 the selection forced to the top-k draft nodes; k values are interleaved across
 rounds, plain steps (no drafting) among them. The same timed steps give (k, U,
 seconds) samples, U = unique (layer, expert) pairs the verify forward woke (root
-included), for ExpertCostModel.fit. One drafter forward is timed apart. Samples
+included), for ExpertCostModel.fit. One drafter forward is timed apart, and so is
+what joint's expert term costs a step (`expert_overhead`: its predictor and greedy
+selection against EVICT's, side by side on the same prompts), which with the fit's
+within-k slope decides whether joint keeps that term (core/cost.py `expert_term_pays`). Samples
 outside the Tukey fences of their k are dropped before the medians (load spikes).
 The stored C(k) is the pool-adjacent-violators (non-decreasing) fit of the medians;
 the raw medians, spreads (IQR), mean U, all samples and the load average are kept.
@@ -38,13 +41,13 @@ import datetime as dt
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..assets import DEFAULT_MODEL
-from ..core.cost import CostTable, ExpertCostModel
+from ..core.cost import CostTable, ExpertCostModel, expert_term_pays
 from ..outfiles import check_writable, save_report
 from .measure import (PLAIN, CostCurve, ForcedBudget, ForcedGuard, NoiseReport, StepDriver, StepSample, assess_noise,
                       monotone, run_interleaved, summarize, time_draft_forward, trim_outliers, trim_values)
@@ -137,6 +140,11 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
                       spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model,
                       plain_step=plain_s, draft_forward=draft_forward,
                       load_average=tuple(round(x, 2) for x in load_before + load_after))
+    overhead = measure_expert_overhead(llm, table, ids)
+    if overhead is not None:
+        table = replace(table, expert_overhead=overhead, method=table.method + (
+            "; expert overhead = median joint (predictor + select) - median evict select over interleaved "
+            "guard-off greedy steps"))
     written = save_profile(table, curve, samples, path, noise)
     return ProfileResult(table, curve, samples, written, noise, requested=path)
 
@@ -158,6 +166,32 @@ def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | Non
         caches.append(source.start(prompt, prefill, root).cache)
     median, _ = time_draft_forward(source.drafter, caches, tree.steps, tree.topk, repeats)
     return max(median, 1e-7)
+
+
+def measure_expert_overhead(llm, table: CostTable, ids: list[list[int]], tokens: int = 48) -> float | None:
+    """Seconds per speculative step that joint's expert term adds: median (predictor + selection) of
+    joint with the term forced on, minus median selection of evict, both on `llm`'s target and `table`,
+    guard off, greedy, prompts alternated between the two. None when the model has no expert predictor
+    for joint (nothing to decide then)."""
+    from ..api import LLM, SamplingParams
+
+    common = dict(model=llm.config.runtime.model, draft_model=llm.config.spec.draft_model, tree=llm.tree,
+                  device=str(llm.device), dtype=llm.dtype, cost_profile=table, guard="off", threads=None,
+                  target_model=llm.target)
+    try:
+        joint = LLM(policy="joint", policy_options={"expert_term": True}, **common)
+    except (ValueError, FileNotFoundError):
+        return None
+    evict = LLM(policy="evict", **common)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    spent: dict[str, list[float]] = {"joint": [], "evict": []}
+    for p in ids:
+        for name, engine in (("joint", joint), ("evict", evict)):
+            out = engine.generate([p], params, max_batch_size=1)[0]
+            spent[name] += [s.predictor_ms + s.select_ms for s in out.steps if s.speculated]
+    if not spent["joint"] or not spent["evict"]:
+        return None
+    return max(float(np.median(spent["joint"]) - np.median(spent["evict"])), 0.0) / 1e3
 
 
 def output_path(model_profile: Path, out: str | Path | None) -> Path:
@@ -206,6 +240,8 @@ def format_table(result: ProfileResult) -> str:
     if m is not None:
         lines.append(f"C(k, U) = {m.c0 * 1e3:.3f} ms + {m.c_tok * 1e3:.4f} ms * k + {m.c_exp * 1e3:.4f} ms * U "
                      f"(rms residual {m.residual_rms * 1e3:.3f} ms, {m.num_samples} steps)")
+        if t.expert_overhead is not None:
+            lines.append("joint: " + expert_term_pays(t)[1])
     if t.plain_step is not None:
         lines.append(f"plain step {t.plain_step * 1e3:.2f} ms")
     if t.draft_forward is not None:
