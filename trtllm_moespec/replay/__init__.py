@@ -181,7 +181,8 @@ def _score(args, argv) -> int:
         if name not in POLICIES or name in ("ar", "oracle"):
             raise ValueError(f"replay scores drafting policies ({', '.join(sorted(set(POLICIES) - {'ar', 'oracle'}))}); "
                              f"got {name!r} (the oracle selection is always scored)")
-        policy = build_policy(name, tree, table, {})
+        # replay prices no predictor time, so joint is scored with its expert term (the selection rule itself)
+        policy = build_policy(name, tree, table, {"expert_term": True} if name == "joint" else {})
         for kind in (args.values if policy.uses_values else ("raw",)):
             label = f"{name}[values={kind}]" if policy.uses_values else name
             tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
