@@ -9,6 +9,7 @@ per data set, 96 tokens: defaults 62 tok/s, guard only 83, both off 83; the stop
 steps at ~2 tokens where the full tree commits 4-5).
 
     python -m benchmarks.guard_trace [--model moespec-base] [--policy evict] [--prompts 4] [--tokens 96]
+    python -m benchmarks.guard_trace --variants default,guard:weight=0.1,guard:probe_every=4   # GuardConfig fields
 """
 
 from __future__ import annotations
@@ -26,20 +27,53 @@ VARIANTS = {
 }
 
 
+def guard_variant(label: str) -> dict[str, float]:
+    """`guard:field=value;field=value` -> GuardConfig overrides of the default guard (ValueError otherwise)."""
+    from dataclasses import fields
+
+    from trtllm_moespec.engine.guard import GuardConfig
+
+    known = {f.name: f.type for f in fields(GuardConfig)}
+    overrides = {}
+    for item in label.removeprefix("guard:").split(";"):
+        key, _, value = item.partition("=")
+        if key not in known or not value:
+            raise ValueError(f"variant {label!r}: {item!r} is not field=value of GuardConfig ({', '.join(known)})")
+        overrides[key] = int(value) if known[key] in ("int", int) else float(value)
+    return overrides
+
+
+def make_llm(name: str, policy: str, **kwargs):
+    """The LLM of a variant: one of VARIANTS, or the default guard with GuardConfig overrides."""
+    from dataclasses import replace
+
+    from trtllm_moespec import LLM
+    from trtllm_moespec.engine.guard import Guard
+
+    if not name.startswith("guard:"):
+        return LLM(policy=policy, **kwargs, **VARIANTS[name])
+    overrides = guard_variant(name)
+    llm = LLM(policy=policy, **kwargs)
+    g = llm.engine.guard
+    llm.engine.guard = Guard(replace(g.config, **overrides), g.cost_table, g.plain_step_s)
+    return llm
+
+
 def trace(steps) -> str:
     """A digit per speculative step (its committed tokens, capped at 9), `.` per plain step."""
     return "".join(str(min(s.committed_tokens, 9)) if s.speculated else "." for s in steps)
 
 
 def main(argv=None) -> dict[str, float]:
-    from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec import SamplingParams
     from trtllm_moespec.bench.datasets import encode_prompt, load_prompts
     from trtllm_moespec.bench.methods import MethodRunner, MethodSpec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="moespec-base")
     ap.add_argument("--policy", default="evict", choices=("evict", "ecospec", "joint", "coverage"))
-    ap.add_argument("--variants", default="default,off,stop-only", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="default,off,stop-only",
+                    help=f"comma list of {', '.join(VARIANTS)} or guard:field=value;... (GuardConfig overrides)")
     ap.add_argument("--datasets", default="humaneval,mt_bench,gsm8k")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per data set")
     ap.add_argument("--tokens", type=int, default=96)
@@ -48,7 +82,7 @@ def main(argv=None) -> dict[str, float]:
     torch.set_num_threads(1)
     runners, target = {}, None
     for name in args.variants.split(","):
-        llm = LLM(model=args.model, policy=args.policy, target_model=target, threads=None, **VARIANTS[name])
+        llm = make_llm(name, args.policy, model=args.model, target_model=target, threads=None)
         target = llm.target
         runners[name] = MethodRunner(MethodSpec(name, args.policy), llm)
     first = next(iter(runners.values())).llm
@@ -68,7 +102,7 @@ def main(argv=None) -> dict[str, float]:
             spec = [s.step_ms for s in g.steps if s.speculated]
             plain = [s.step_ms for s in g.steps if not s.speculated]
             mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-            print(f"{ds:9s} {name:10s} {len(g.token_ids) / seconds:6.1f} tok/s  spec {len(spec):3d}/{len(g.steps):3d}"
+            print(f"{ds:9s} {name:16s} {len(g.token_ids) / seconds:6.1f} tok/s  spec {len(spec):3d}/{len(g.steps):3d}"
                   f"  spec {mean(spec):5.1f} ms  plain {mean(plain):5.1f} ms  {trace(g.steps)}", flush=True)
     rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
     for name, rate in rates.items():
