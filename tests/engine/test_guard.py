@@ -126,6 +126,31 @@ def test_one_unlucky_speculative_step_is_no_verdict():
         GuardConfig(min_spec_steps=0)
 
 
+def test_hold_keeps_a_speculating_request_speculating_through_a_short_loss():
+    """Hysteresis: speculating goes on until it loses by more than `hold`; once declined, it resumes only
+    where it wins (margin), so the two thresholds differ and an estimate between them changes nothing."""
+    def run(hold):
+        s = Guard(GuardConfig(min_spec_steps=1, hold=hold, probe_every=4, probe_overhead=1.0)).start()
+        assert s.speculate()
+        _feed(s, True, 3, 0.030)  # 100 tok/s against plain's 1 / 0.012 = 83: pays
+        assert not s.speculate()  # one plain step, to know its cost
+        _feed(s, False, 1, 0.012)
+        assert s.speculate()
+        _feed(s, True, 2, 0.030)  # an unlucky step: the estimate drops to 2.75 / 30 ms = 92 tok/s, still pays
+        assert s.speculate()
+        _feed(s, True, 1, 0.030)  # another: 2.31 / 30 ms = 77 tok/s, 7.5% below plain
+        return s
+    held, strict = run(0.1), run(0.0)
+    assert held.speculate() and not held.declined  # within the 10% hold: speculation goes on
+    assert not strict.speculate() and strict.declined  # no hold: plain decoding until a probe
+    # Declined, the hold no longer applies: the same 77 tok/s estimate keeps the request plain.
+    for _ in range(3):
+        _feed(strict, False, 1, 0.012)
+        assert not strict.speculate()
+    with pytest.raises(ValueError, match="hold"):
+        GuardConfig(hold=1.0)
+
+
 def test_one_stalled_plain_step_does_not_make_speculation_look_paying():
     s = Guard(GuardConfig(min_spec_steps=1)).start()
     _feed(s, True, 3, 0.025)  # 120 tok/s speculating

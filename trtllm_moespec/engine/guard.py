@@ -31,6 +31,13 @@ and the probe countdown carry over from one request to the next through the engi
 request starts from what the last ones measured, and short requests do not each restart
 the countdown.
 
+`hold` (off by default) adds hysteresis: a request that is speculating goes on until speculation
+loses by more than that fraction, one decoding plainly resumes only where speculation wins. Measured with
+`python -m benchmarks.guard_trace --policy joint --variants "default,guard:hold=0.15,off"` (moespec-base,
+4 prompts per data set, 96 tokens, one run per cell: benchmarks/results/base/guard_hold_t*.txt): T=0 73 ->
+81 tokens/s (speculating every step: 80), T=1 55 -> 54 (the same 0-2 speculative steps per prompt). It
+becomes a default only after the interleaved suite confirms it.
+
 Lossless: the decision uses only past steps (their outcomes and timings), never the
 current step's random numbers; a plain step is verified by the same rule as `ar`.
 """
@@ -65,6 +72,11 @@ class GuardConfig:
     refresh_every: int = 32  # speculative steps between plain steps that re-measure the plain cost
     weight: float = 0.25  # EWMA weight of the newest observation
     margin: float = 0.0  # speculate only when tokens/s beats plain by this fraction
+    # Hysteresis: a request that is speculating goes on until speculation's estimated tokens/s falls below
+    # plain decoding's by more than this fraction (one decoding plainly resumes only past `margin`). Single
+    # steps commit 1..D+1 tokens, so a short run of unlucky ones must not send a request that speculation
+    # serves well to plain decoding until a probe brings it back.
+    hold: float = 0.0
     probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
     # ... or this share times the engine's probe win rate, when larger: where probes often find the text
     # predictable again (greedy decoding that settles into a pattern) one is worth more than where they
@@ -82,6 +94,8 @@ class GuardConfig:
             raise ValueError(f"guard weight must lie in (0, 1], got {self.weight}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"guard margin must be >= 0, got {self.margin}")
+        if not 0.0 <= self.hold < 1.0:
+            raise ValueError(f"guard hold must lie in [0, 1), got {self.hold}")
         if not 0.0 < self.probe_overhead <= 1.0:
             raise ValueError(f"probe_overhead must lie in (0, 1], got {self.probe_overhead}")
         if not 0.0 <= self.winning_probe_overhead <= 1.0:
@@ -152,6 +166,7 @@ class GuardState:
         self.probing = False  # the pending speculative step is a probe
         self.num_plain = 0
         self.num_probes = 0
+        self.declined = False  # the last verdict was that speculation loses (the hold no longer applies)
 
     def pays(self) -> bool | None:
         """Does speculation beat plain decoding on the current estimates? None while unknown (the plain
@@ -160,11 +175,13 @@ class GuardState:
             return None
         if self.memory.spec_tokens.count < self.config.min_spec_steps:
             return None
-        return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, self.config.margin)
+        margin = self.config.margin - (0.0 if self.declined else self.config.hold)
+        return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, margin)
 
     def speculate(self) -> bool:
         """Decide the next step (before any drafting)."""
         pays = self.pays()
+        self.declined = pays is False
         if pays is None:  # learn: speculate until measured, then one plain step if its cost is unknown
             self.probing = False
             return not self.spec_s.known or self.plain_s.known
