@@ -35,7 +35,9 @@ def test_a_drain_finishes_short_streams_and_ends_long_ones_with_a_terminal_event
     async def scenario(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             long_task = asyncio.create_task(events(client, "/v1/completions", long))
-            short_task = asyncio.create_task(events(client, "/v1/completions", {**long, "max_tokens": 2}))
+            # short, but not so short that it ends between two polls below (2 tokens did, on a fast machine,
+            # and the loop then waited for a second running stream that was already gone)
+            short_task = asyncio.create_task(events(client, "/v1/completions", {**long, "max_tokens": 32}))
             while server.scheduler.num_running < 2:  # both streams admitted (the batch holds two)
                 await asyncio.sleep(0.01)
             waiting = asyncio.create_task(client.post("/v1/completions", json=long))

@@ -140,7 +140,8 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
                       spread=tuple(0.0 if np.isnan(x) else x for x in curve.iqr_s), expert_model=expert_model,
                       plain_step=plain_s, draft_forward=draft_forward,
                       load_average=tuple(round(x, 2) for x in load_before + load_after))
-    overhead = measure_expert_overhead(llm, table, ids)
+    # (one process only: the two engines it builds share this process's target, not the ranks' shards)
+    overhead = measure_expert_overhead(llm, table, ids) if ep is None else None
     if overhead is not None:
         table = replace(table, expert_overhead=overhead, method=table.method + (
             "; expert overhead = median joint (predictor + select) - median evict select over interleaved "
