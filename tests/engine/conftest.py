@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,15 @@ def forced_speculation(model_id: str = "moespec-tiny", tree: TreeConfig = TreeCo
                       device="cpu", dtype="float32", tree=tree.as_tuple(), method="forced cheap (tests)",
                       expert_model=ExpertCostModel(1.0, 1e-6, 1e-6))
     return {"guard": "off", "draft_stop": False, "cost_profile": costs, "tree": tree}
+
+
+def expert_term_off(model_id: str) -> dict:
+    """forced_speculation with a profile that measured joint's expert term as not paying: U moves a step
+    by 1 us at fixed k, the predictor and greedy cost 1 ms (core/cost.py expert_term_pays)."""
+    forced = forced_speculation(model_id=model_id)
+    profile = forced["cost_profile"]
+    model = replace(profile.expert_model, c_exp_within=1e-7, unique_spread=10.0)
+    return {**forced, "cost_profile": replace(profile, expert_model=model, expert_overhead=1e-3)}
 
 
 def hf_greedy_references(target_dir, prompts: list[str], max_tokens: int) -> list[list[int]]:

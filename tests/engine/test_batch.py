@@ -7,13 +7,12 @@ and retired requests give their cache slots back."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
-from tests.engine.conftest import TINY_TARGET, forced_speculation
+from tests.engine.conftest import TINY_TARGET, expert_term_off, forced_speculation
 from tests.engine.distribution import Draws, assert_follows, exact_first_tokens
 from tests.models.conftest import count_calls
 from trtllm_moespec import LLM, SamplingParams, TreeConfig
@@ -369,10 +368,7 @@ def test_max_depths_read_every_request_in_one_transfer():
 def test_joint_batch_without_its_expert_term_selects_as_evict_batch(checkpoints, references_qwen):
     """Where the profile says joint's expert term cannot pay, joint-batch selects as evict-batch on the
     measured C(k) (no predictor loaded) and every request stays exact."""
-    forced = forced_speculation(model_id="qwen3_moe")
-    profile = replace(forced["cost_profile"], expert_overhead=1e-3,
-                      expert_model=replace(forced["cost_profile"].expert_model, c_exp_within=1e-7, unique_spread=10.0))
-    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle", **{**forced, "cost_profile": profile})
+    llm = _llm(checkpoints, "qwen3_moe", "joint", predictor="oracle", **expert_term_off("qwen3_moe"))
     requests = [llm.make_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
     engine = BatchedEngine(llm.engine, max_batch_size=3, batch_policy="joint-batch", goodput_guard=False)
     assert llm.engine.predictor is None and isinstance(engine.costs, BatchTableCosts)

@@ -3,13 +3,11 @@ with draft tokens accepted (cost-aware policies forced to speculate on these ran
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import transformers
 
-from tests.engine.conftest import forced_speculation
+from tests.engine.conftest import expert_term_off, forced_speculation
 from trtllm_moespec import LLM, SamplingParams
 
 POLICIES = ["ar", "eagle3", "ddd", "evict", "ecospec", "joint", "coverage", "oracle"]
@@ -99,19 +97,11 @@ def test_greedy_exact_under_every_value_model(checkpoints, references, policy, v
     _assert_speculated(outs, policy)
 
 
-def _expert_term_off(arch: str) -> dict:
-    """forced_speculation with a profile that measured joint's expert term as not paying: U moves a step
-    by 1 us at fixed k, the predictor and greedy cost 1 ms."""
-    forced = forced_speculation(model_id=arch)
-    model = replace(forced["cost_profile"].expert_model, c_exp_within=1e-7, unique_spread=10.0)
-    return {**forced, "cost_profile": replace(forced["cost_profile"], expert_model=model, expert_overhead=1e-3)}
-
-
 def test_joint_without_its_expert_term_runs_no_predictor_and_stays_exact(checkpoints, references):
     """The profile decides (core/cost.py expert_term_pays): joint then selects as evict on the measured C(k),
     loads no predictor and predicts nothing; greedy output is still transformers', speculating."""
     target, draft = checkpoints["qwen3_moe"]
-    llm = LLM(str(target), draft_model=str(draft), policy="joint", predictor="oracle", **_expert_term_off("qwen3_moe"))
+    llm = LLM(str(target), draft_model=str(draft), policy="joint", predictor="oracle", **expert_term_off("qwen3_moe"))
     assert not llm.engine.policy.reads_experts and llm.engine.predictor is None
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), max_batch_size=1)
     for i, out in enumerate(outs):
@@ -119,5 +109,5 @@ def test_joint_without_its_expert_term_runs_no_predictor_and_stays_exact(checkpo
         assert all(s.predictor_total == 0 for s in out.steps)  # no expert set was predicted
     _assert_speculated(outs, "joint")
     kept = LLM(str(target), draft_model=str(draft), policy="joint", predictor="oracle",
-               policy_options={"expert_term": True}, **_expert_term_off("qwen3_moe"))  # the user's word wins
+               policy_options={"expert_term": True}, **expert_term_off("qwen3_moe"))  # the user's word wins
     assert kept.engine.policy.reads_experts and kept.engine.predictor is not None

@@ -116,10 +116,7 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
     plain_s = float(np.median(plain))
     samples = [s for s in samples if s.verified_tokens != PLAIN]
     curve = summarize(samples, max_k)
-    fit_on = trim_outliers(samples)
-    expert_model = ExpertCostModel.fit(np.array([s.verified_tokens for s in fit_on]),
-                                       np.array([s.unique_experts for s in fit_on]),
-                                       np.array([s.seconds for s in fit_on]))
+    expert_model, fit_on = fit_expert_model(samples)
     method = (f"engine step (draft+select+verify+commit), top-k forced, k=0..{max_k} interleaved in random order; "
               f"median of {repeats} rounds after {warmup_rounds} warm-up rounds, non-decreasing (PAV) fit of the "
               f"medians; spread = IQR; {len(ids)} prompts, greedy; C(k, U) least squares over {len(fit_on)} of "
@@ -148,6 +145,14 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
             "guard-off greedy steps"))
     written = save_profile(table, curve, samples, path, noise)
     return ProfileResult(table, curve, samples, written, noise, requested=path)
+
+
+def fit_expert_model(samples: list[StepSample]) -> tuple[ExpertCostModel, list[StepSample]]:
+    """C(k, U) fitted on the speculative samples inside their k's Tukey fence; (the fit, the samples used)."""
+    fit_on = trim_outliers(samples)
+    model = ExpertCostModel.fit(np.array([s.verified_tokens for s in fit_on]),
+                                np.array([s.unique_experts for s in fit_on]), np.array([s.seconds for s in fit_on]))
+    return model, fit_on
 
 
 def _draft_forward(llm, ids: list[list[int]], tree, repeats: int) -> float | None:
