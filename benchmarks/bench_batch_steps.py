@@ -3,8 +3,10 @@ what the batch policies' guarded plain steps cost beside `ar`'s (issue 14's numb
 
 For each method and batch size B, B greedy requests (prompts of 97 - B .. 96 tokens of Python
 source, like `bench_serve`'s 96-token prompts) are admitted together and decoded to `--tokens` new
-tokens; the time per batch step after the prefill step is the median over `--repeats` runs,
-interleaved (every other repeat in reverse order). Under a serving load (`bench_serve.py`, not here)
+tokens; the time per batch step after the prefill step and the throughput (tokens committed after
+the prefill step per second of their decoding: a speculative step commits several per request, so
+step times alone do not compare methods) are medians over `--repeats` runs, interleaved (every
+other repeat in reverse order); `vs_ar` is the throughput ratio. Under a serving load (`bench_serve.py`, not here)
 the prefills of arriving requests run between batch steps; requests admitted in the same step are
 prefilled together in one forward (`engine.batch.prefill_batch`), and the prefill of B prompts one
 by one and together is timed beside each other.
@@ -55,17 +57,21 @@ def _engine(llm, method: str):
     return engine
 
 
-def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int]:
-    """(ms per batch step after the prefill step, speculative steps) of one batch decoded to the end."""
+def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int, float]:
+    """(ms per batch step after the prefill step, speculative request-steps, tokens/s: tokens committed
+    after the prefill step over their decode time) of one batch decoded to the end."""
     requests = [llm.make_request(ids[:PROMPT_TOKENS - batch + i + 1], params) for i in range(batch)]
     for r in requests:
         engine.add(r)
     engine.step()  # the prefills and first tokens
+    first = sum(len(r.output_ids) for r in requests)
     t0, steps = time.perf_counter(), 0
     while engine.num_active:
         engine.step()
         steps += 1
-    return (time.perf_counter() - t0) * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in requests) - first
+    return seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds
 
 
 def _prefill_ms(target, ids: list[int], sizes: list[int], repeats: int = 10) -> dict[int, tuple[float, float]]:
@@ -119,6 +125,7 @@ def main(argv=None) -> dict:
         for m, b in cells if repeat % 2 == 0 else cells[::-1]:
             rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
     step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
+    tokens_per_s = {key: statistics.median(r[2] for r in rs) for key, rs in rows.items()}
     prefill = _prefill_ms(llms["ar"].target, ids, sizes)
     result = {"model": args.model, "load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
               "prefill_96_ms": prefill, "cells": []}
@@ -128,9 +135,9 @@ def main(argv=None) -> dict:
     for m in methods:
         for b in sizes:
             cell = {"method": m, "batch": b, "step_ms": step_ms[m, b],
-                    "tokens_per_s": b * 1e3 / step_ms[m, b],
-                    "vs_ar": step_ms["ar", b] / step_ms[m, b],
-                    "vs_batch_1": (b / step_ms[m, b]) / (1 / step_ms[m, sizes[0]]) if sizes[0] == 1 else None,
+                    "tokens_per_s": tokens_per_s[m, b],
+                    "vs_ar": tokens_per_s[m, b] / tokens_per_s["ar", b],
+                    "vs_batch_1": tokens_per_s[m, b] / tokens_per_s[m, sizes[0]] if sizes[0] == 1 else None,
                     "speculative_steps": sum(r[1] for r in rows[m, b])}
             result["cells"].append(cell)
             print(f"{m:12s} B={b}  {cell['step_ms']:.3f} ms/step  {cell['tokens_per_s']:7.1f} tok/s  "

@@ -32,7 +32,7 @@ def test_batch_table_costs_shift_the_profiled_table_by_a_measured_intercept():
 
 
 def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
-    guard = GoodputGuard(alpha=1.0, probe_every=2, max_probe_every=8)
+    guard = GoodputGuard(alpha=1.0, probe_every=2, max_probe_every=8, min_spec_steps=1)
     assert guard.speculate(4) is True
     guard.record(4, True, tokens=4, seconds=1.0)  # speculation: 4 tokens/s
     assert guard.speculate(4) is False
@@ -51,7 +51,7 @@ def test_guard_tries_both_then_follows_goodput_and_backs_off_its_probes():
 
 
 def test_probes_of_a_much_dearer_mode_are_spaced_to_cost_at_most_the_overhead():
-    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05)
+    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05, min_spec_steps=1)
     guard.record(8, True, 8, 1.0)  # a speculative step: 10x the time of a plain one, fewer tokens per second
     guard.record(8, False, 8, 0.1)
     steps = 0
@@ -62,7 +62,7 @@ def test_probes_of_a_much_dearer_mode_are_spaced_to_cost_at_most_the_overhead():
 
 
 def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
-    guard = GoodputGuard(alpha=1.0, probe_overhead=0.02)
+    guard = GoodputGuard(alpha=1.0, probe_overhead=0.02, min_spec_steps=1)
     guard.record(2, True, 4, 1.0)
     guard.record(2, False, 4, 0.5)  # at B=2 plain wins
     assert guard.speculate(4) is False and guard.speculate(1) is False  # so neighbours start plain...
@@ -77,7 +77,7 @@ def test_guard_starts_plain_at_a_larger_batch_where_speculation_lost_below():
 
 def test_batch_size_drift_does_not_cost_a_probe_per_size():
     """Under continuous batching the size moves every few steps; only the countdown probes."""
-    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05)
+    guard = GoodputGuard(alpha=1.0, probe_every=16, max_probe_every=1024, probe_overhead=0.05, min_spec_steps=1)
     guard.record(8, True, 8, 0.5)
     guard.record(8, False, 8, 0.1)  # plain wins 5x: probes every (0.5 / 0.1 - 1) / 0.05 = 80 steps
     choices = []
@@ -89,7 +89,30 @@ def test_batch_size_drift_does_not_cost_a_probe_per_size():
     assert sum(choices) == 2 and guard.num_probes == 2
 
 
+def test_no_verdict_against_speculation_before_min_spec_steps():
+    """One speculative step commits 1..D+1 tokens per request: an unlucky first one must not send the
+    batch to plain decoding for a probe interval; the verdict waits for `min_spec_steps` of them."""
+    guard = GoodputGuard(alpha=0.3, probe_overhead=0.01)  # min_spec_steps=4
+    assert guard.speculate(4)
+    guard.record(4, True, tokens=4, seconds=0.05)  # nothing accepted: 80 tokens/s
+    assert not guard.speculate(4)
+    guard.record(4, False, tokens=4, seconds=0.025)  # plain: 160 tokens/s wins on one step each
+    for _ in range(3):  # speculation is measured until it has 4 steps
+        assert guard.speculate(4)
+        guard.record(4, True, tokens=16, seconds=0.05)  # 320 tokens/s
+    assert guard.num_spec_steps == 4 and guard.num_probes == 0  # learning steps are no probes
+    assert all(guard.speculate(4) for _ in range(3))  # and then it wins
+    losing = GoodputGuard(alpha=0.3)
+    losing.record(4, True, 4, 0.05)
+    losing.record(4, False, 4, 0.025)
+    for _ in range(3):
+        losing.record(4, losing.speculate(4), 4, 0.05)
+    assert not losing.speculate(4) and losing._until_probe == 100  # (0.05 / 0.025 - 1) / 0.01
+
+
 def test_guard_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        GoodputGuard(min_spec_steps=0)
     with pytest.raises(ValueError):
         GoodputGuard(alpha=0)
     with pytest.raises(ValueError):
@@ -97,7 +120,7 @@ def test_guard_rejects_bad_settings():
 
 
 def test_a_probe_that_beats_the_winner_is_not_backed_off():
-    guard = GoodputGuard(alpha=0.1, probe_every=4, max_probe_every=64, probe_overhead=0.5)
+    guard = GoodputGuard(alpha=0.1, probe_every=4, max_probe_every=64, probe_overhead=0.5, min_spec_steps=1)
     guard.record(2, True, 2, 1.0)
     guard.record(2, False, 4, 1.0)  # plain 4 tokens/s wins over 2
     for _ in range(3):  # losing probes: the interval doubles 4 -> 8 -> 16 -> 32
@@ -112,7 +135,7 @@ def test_a_probe_that_beats_the_winner_is_not_backed_off():
 
 
 def test_one_stalled_step_does_not_flip_the_batch_decision():
-    guard = GoodputGuard(alpha=0.2)
+    guard = GoodputGuard(alpha=0.2, min_spec_steps=1)
     guard.record(4, True, 12, 0.062)  # 194 tok/s speculating
     guard.record(4, False, 4, 0.017)  # 235 tok/s plain
     guard.record(4, False, 4, 0.800)  # a stall (5 tok/s): counted as 3 plain steps' time at most (78 tok/s)

@@ -3,6 +3,8 @@ decisions on synthetic timings, and losslessness when steps switch between plain
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -208,14 +210,15 @@ class ScriptedGuard:
 class _Scripted:
     def __init__(self, pattern):
         self.pattern, self.i = pattern, 0
+        self.observed: list[tuple[bool, float]] = []  # (speculated, seconds) the guard was told
 
     def speculate(self) -> bool:
         d = self.pattern[self.i % len(self.pattern)]
         self.i += 1
         return d
 
-    def observe(self, *args) -> None:
-        pass
+    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0) -> None:
+        self.observed.append((speculated, seconds))
 
 
 PATTERN = [False, False, True, False, True, True, False, False, False, True]
@@ -271,6 +274,33 @@ def test_deferred_drafter_catch_up_equals_step_by_step(checkpoints):
     assert len(common) >= 3
     for n in common:
         torch.testing.assert_close(deferred_seen[n], seen[n], rtol=1e-4, atol=1e-5)
+
+
+def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_guards_step_time(checkpoints, reference):
+    """The catch-up forward over skipped tokens is the price of switching to speculation, paid once; a
+    probe is judged on what speculating costs from then on, or every probe after a long plain run
+    would look dearer than speculation is. The step's own stats still count it."""
+    target, draft = checkpoints["qwen3_moe"]
+    llm = LLM(str(target), draft_model=str(draft), policy="eagle3")  # every drafted node verified
+    source = llm.engine.draft_source
+    catch_up = source.catch_up
+
+    def slow_catch_up(states):
+        if any(s.pending_ids for s in states):
+            time.sleep(0.2)
+        catch_up(states)
+
+    source.catch_up = slow_catch_up
+    state = _Scripted([True, False, False, False, True, True])
+    llm.engine.guard = ScriptedGuard(None)
+    llm.engine.guard.start = lambda greedy=True: state
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.token_ids == reference["qwen3_moe"]
+    switched = [i for i, s in enumerate(out.steps) if s.speculated and i > 0 and not out.steps[i - 1].speculated]
+    assert switched and all(out.steps[i].verified_tokens > 0 for i in switched)
+    for i in switched:
+        assert out.steps[i].step_ms >= 200 and out.steps[i].draft_ms >= 200  # the step paid for it...
+        assert state.observed[i][0] and state.observed[i][1] < 0.2  # ...the guard did not see it
 
 
 def test_stop_rule_cuts_drafting_and_stays_exact(checkpoints, reference):

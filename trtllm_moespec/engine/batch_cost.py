@@ -9,6 +9,8 @@
 - `BatchTableCosts`: the same for evict-batch on the profiled table: C_B(k) = c0_B + C(k) - C(0).
 - `GoodputGuard`: speculate or decode plainly (no drafting at all), whichever delivered more
   committed tokens per second at this batch size (an exponential moving average per mode);
+  no verdict against speculation before `min_spec_steps` speculative steps were measured (one step
+  commits 1..D+1 tokens per request, and the first ones carry warm-up time);
   a batch size where the two modes were not both measured follows the nearest one where they were
   (neighbouring sizes cost alike); the losing mode is re-tried (one countdown for the whole
   engine, at whatever size the batch has then) after an interval that doubles while its probes
@@ -97,12 +99,19 @@ class GoodputGuard:
     """
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
-                 probe_overhead: float = 0.01):
+                 probe_overhead: float = 0.01, min_spec_steps: int = 4):
         if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every or not 0 < probe_overhead < 1:
             raise ValueError(f"need alpha in (0, 1], 2 <= probe_every <= max_probe_every and probe_overhead in "
                              f"(0, 1), got {alpha}, {probe_every}, {max_probe_every}, {probe_overhead}")
+        if not (isinstance(min_spec_steps, int) and min_spec_steps >= 1):
+            raise ValueError(f"min_spec_steps must be an integer >= 1, got {min_spec_steps!r}")
         self.alpha, self.probe_every, self.max_probe_every = alpha, probe_every, max_probe_every
         self.probe_overhead = probe_overhead  # a probe may cost at most this share of the winner's time
+        # Speculative steps measured before speculation may be found to lose (the single-request guard's
+        # `min_spec_steps`): one step commits anywhere from 1 to D+1 tokens per request, and a verdict on the
+        # first one sent batches that speculation serves at 1.3x to plain decoding for the next ~90 steps.
+        self.min_spec_steps = min_spec_steps
+        self.num_spec_steps = 0
         self._goodput: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> tokens/s EMA
         self._seconds: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> step seconds EMA
         self._until_probe = probe_every  # steps left before the losing mode is tried again
@@ -117,12 +126,19 @@ class GoodputGuard:
             if (batch_size, True) in self._goodput or (batch_size, False) in self._goodput:
                 return (batch_size, True) not in self._goodput
             return not any(speculated for _, speculated in self._goodput)
+        if self._learning:  # both measured, speculation too few times to be judged: keep measuring it
+            return True
         return (not decision) if self._until_probe <= 0 else decision
+
+    @property
+    def _learning(self) -> bool:
+        return self.num_spec_steps < self.min_spec_steps
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One finished step: its mode, committed tokens (all requests) and wall seconds."""
         before = self._decision(batch_size)
-        probed = before is not None and speculated != before
+        probed = before is not None and speculated != before and not self._learning
+        self.num_spec_steps += speculated
         winner = self._goodput[(self._nearest_measured(batch_size), before)] if probed else 0.0
         key = (batch_size, speculated)
         if key in self._seconds:  # one stalled step counts as at most TIME_CLIP times this mode's mean
@@ -138,7 +154,8 @@ class GoodputGuard:
             promising = after != before or tokens / max(seconds, 1e-9) >= winner
             self._interval = self.probe_every if promising else min(2 * self._interval, self.max_probe_every)
             self._until_probe = max(self._interval, self._affordable_interval(batch_size))
-        elif before is None and after is not None:  # both modes just got measured
+        elif (before is None and after is not None) or (speculated and self.num_spec_steps == self.min_spec_steps):
+            # both modes just got measured, or speculation just enough times: the countdown starts
             self._until_probe = max(self._interval, self._affordable_interval(batch_size))
         else:
             self._until_probe -= 1

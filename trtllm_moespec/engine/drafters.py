@@ -45,6 +45,9 @@ class NoDraft:
     def defer(self, state: Any, result: VerifyResult, root_hidden: torch.Tensor) -> None:
         return None
 
+    def catch_up(self, states: list) -> None:
+        return None
+
 
 # Plain steps a lazily started drafter may miss before it is started anyway. Each kept step holds its
 # root position's capture hidden (3 KB on moespec-tiny) and its result, so the wait is bounded; a
@@ -120,7 +123,7 @@ class Eagle3Source:
         return Eagle3State(cache)
 
     def draft(self, state: "Eagle3State", context: list[int], device: torch.device) -> Draft:
-        self._catch_up([state])
+        self.catch_up([state])
         expand = self._expand_rule(state)
         if self.frontier_runner is None:
             out = self.drafter.draft_tree(state.cache, self.steps, self.topk, self.ddd_threshold, expand,
@@ -135,7 +138,7 @@ class Eagle3Source:
         (CUDA graphs of one request's frontier), request by request."""
         if self.frontier_runner is not None or len(states) == 1:
             return [self.draft(s, c, device) for s, c in zip(states, contexts)]
-        self._catch_up(states)
+        self.catch_up(states)
         outs = draft_eagle3_trees(self.drafter, [s.cache for s in states], self.steps, self.topk, self.ddd_threshold,
                                   [self._expand_rule(s) for s in states], constraints=[s.constraint for s in states],
                                   sync_free=self.sync_free)
@@ -166,7 +169,7 @@ class Eagle3Source:
     def commit_batch(self, states: list["Eagle3State"], results: list[VerifyResult], verifies: list[TargetOutput]) -> None:
         """Append each request's accepted tokens and bonus token to its drafter cache: one packed
         forward for all of them (without a static extension runner)."""
-        self._catch_up(states)
+        self.catch_up(states)
         pairs = [self.drafter.commit_pairs(r.accepted_pos[0], r.emitted_ids[0], v.hidden) for r, v in zip(results, verifies)]
         self._extend_all([s.cache for s in states], [ids for ids, _ in pairs], [hidden for _, hidden in pairs])
 
@@ -208,8 +211,9 @@ class Eagle3Source:
         state.pending_ids.append(result.emitted_ids[0, :1])  # [1]
         state.pending_hidden.append(root_hidden[0])  # [1, 3H] the root position
 
-    def _catch_up(self, states: list["Eagle3State"]) -> None:
-        """Feed the requests' deferred plain steps to their drafter caches (one forward for all)."""
+    def catch_up(self, states: list["Eagle3State"]) -> None:
+        """Feed the requests' deferred plain steps to their drafter caches (one forward for all; a no-op
+        for those with none). `draft` does it anyway; the engines call it first to time it apart."""
         behind = [s for s in states if s.pending_ids]
         if not behind:
             return
@@ -265,6 +269,20 @@ class NgramSource:
     def defer(self, state, result: VerifyResult, root_hidden: torch.Tensor) -> None:
         return None  # prompt lookup reads the context: nothing to catch up
 
+    def catch_up(self, states: list) -> None:
+        return None
+
+
+def catch_up_all(drafters: list["RequestDrafter"]) -> None:
+    """Bring every request's drafter up to date before drafting: start those not started yet (the
+    prompt's drafter prefill, lazily under a guard) and feed them the plain steps they skipped, in one
+    forward. The price of switching from plain decoding to speculation, paid once per switch: the
+    engines time it apart from the speculative step it precedes, so a guard's probe is judged on what
+    speculating costs from then on."""
+    for d in drafters:
+        d._start()
+    drafters[0].source.catch_up([d.state for d in drafters])
+
 
 def draft_all(drafters: list["RequestDrafter"], contexts: list[list[int]], device: torch.device) -> list[Draft]:
     """Every request's draft (a batch step's; all share one source): in one call when the source
@@ -304,6 +322,10 @@ class RequestDrafter:
             self.state, self.pending = self.pending.start(self.source), None
             if isinstance(self.state, Eagle3State):
                 self.state.node_values, self.state.constraint = self.node_values, self.constraint
+
+    def catch_up(self) -> None:
+        """`catch_up_all` for this request alone."""
+        catch_up_all([self])
 
     def draft(self, context: list[int], device: torch.device) -> Draft:
         self._start()

@@ -188,6 +188,8 @@ class SpecEngine:
         device = self.target.device
 
         t0 = time.perf_counter()
+        drafter.catch_up()  # after plain steps: the switch's price, kept out of the guard's view of this step
+        t_switch = time.perf_counter() - t0
         draft = drafter.draft(context, device)
         # deeper nodes could never be emitted
         tree = self.candidates(limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1))
@@ -233,7 +235,7 @@ class SpecEngine:
         t_draft += time.perf_counter() - t0
 
         done = self._append(request, emitted, out.logits[0], result)
-        self._record(request, guard, True, emitted, observed, t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, True, emitted, observed, t_step, t_switch, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return done
@@ -257,7 +259,7 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
         done = self._append(request, emitted, out.logits[0])
-        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, draft_ms=t_draft * 1e3,
+        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, 0.0, draft_ms=t_draft * 1e3,
                      predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
                      commit_ms=t_commit * 1e3)
         return done
@@ -269,14 +271,16 @@ class SpecEngine:
                     **_per_rank_stats(out, self.placement))
 
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
-                observed: dict, t_step: float, **times) -> None:
-        """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard."""
+                observed: dict, t_step: float, t_switch: float, **times) -> None:
+        """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard:
+        less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`)."""
         request.steps.append(StepStats(
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated, **observed, **times,
         ))
         if guard is not None:
-            guard.observe(speculated, len(emitted), request.steps[-1].step_ms / 1e3, observed["verified_tokens"])
+            seconds = request.steps[-1].step_ms / 1e3 - t_switch
+            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"])
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth
