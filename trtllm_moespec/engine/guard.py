@@ -31,12 +31,12 @@ and the probe countdown carry over from one request to the next through the engi
 request starts from what the last ones measured, and short requests do not each restart
 the countdown.
 
-`hold` (off by default) adds hysteresis: a request that is speculating goes on until speculation
-loses by more than that fraction, one decoding plainly resumes only where speculation wins. Measured with
+`hold` (0.15) adds hysteresis: a request that is speculating goes on until speculation loses by more
+than that fraction, one decoding plainly resumes only where speculation wins. Measured with
 `python -m benchmarks.guard_trace --policy joint --variants "default,guard:hold=0.15,off"` (moespec-base,
-4 prompts per data set, 96 tokens, one run per cell: benchmarks/results/base/guard_hold_t*.txt): T=0 73 ->
-81 tokens/s (speculating every step: 80), T=1 55 -> 54 (the same 0-2 speculative steps per prompt). It
-becomes a default only after the interleaved suite confirms it.
+4 prompts per data set, 96 tokens, one run per cell: benchmarks/results/base/guard_hold_t*.txt): T=0 80
+tokens/s without it, 81 with it (speculating every step: 79), with 71% and 88% of the steps speculative;
+T=1 55 -> 54 (the same 0-2 speculative steps per prompt).
 
 Lossless: the decision uses only past steps (their outcomes and timings), never the
 current step's random numbers; a plain step is verified by the same rule as `ar`.
@@ -76,7 +76,7 @@ class GuardConfig:
     # plain decoding's by more than this fraction (one decoding plainly resumes only past `margin`). Single
     # steps commit 1..D+1 tokens, so a short run of unlucky ones must not send a request that speculation
     # serves well to plain decoding until a probe brings it back.
-    hold: float = 0.0
+    hold: float = 0.15
     probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
     # ... or this share times the engine's probe win rate, when larger: where probes often find the text
     # predictable again (greedy decoding that settles into a pattern) one is worth more than where they
