@@ -98,6 +98,9 @@ class _CommitTap:
     def start(self, *args):
         return self.inner.start(*args)
 
+    def catch_up(self, states) -> None:
+        self.inner.catch_up(states)
+
     def draft(self, *args):
         return self.inner.draft(*args)
 
