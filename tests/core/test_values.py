@@ -163,6 +163,32 @@ def test_policies_on_calibrated_values_are_parent_closed_and_within_budget(seed)
     assert not make_policy("eagle3").uses_values and not make_policy("oracle").uses_values
 
 
+def _copies_by_definition(tree, context, n=2):
+    """copies_recent's definition, node by node: v's token is the most recent follower, in the context, of
+    the last n tokens of (context + v's path up to its parent)."""
+    tokens, parents, valid = tree.token_ids[0].tolist(), tree.parents[0].tolist(), tree.valid[0].tolist()
+    recent = {tuple(context[i:i + n]): context[i + n] for i in range(len(context) - n)}
+    def path(v):
+        return [] if v < 0 else path(parents[v]) + [tokens[v]]
+    out = []
+    for v, tok in enumerate(tokens):
+        prev = tuple((list(context) + path(parents[v]))[-n:])
+        out.append(int(valid[v] and len(prev) >= n and recent.get(prev, -1) == tok))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copies_recent_follows_its_definition(seed):
+    from trtllm_moespec.core.node_features import copies_recent
+
+    rng = np.random.default_rng(seed)
+    tree = random_eagle_tree(rng, 1, 4, 3, vocab=5)  # a small vocabulary: many copies, many misses
+    for length in (0, 1, 2, 3, 40):
+        context = [int(t) for t in rng.integers(0, 5, length)]
+        for n in (1, 2, 3):
+            assert copies_recent(tree, context, n=n).tolist() == _copies_by_definition(tree, context, n)
+
+
 def test_incremental_context_index_equals_a_fresh_one():
     from trtllm_moespec.core.node_features import RecentFollowers, copies_recent
 

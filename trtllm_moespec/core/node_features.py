@@ -81,12 +81,12 @@ def copies_recent(tree: DraftTree, context: list[int], n: int = 2, index: Recent
         index = RecentFollowers(n)
     index.update(context)
     recent = index.recent
-    tokens, parents, valid = tree.token_ids[0].tolist(), tree.parents[0].tolist(), tree.valid[0].tolist()
-    tails: list[tuple] = []
-    root_tail = tuple(context[-n:])
-    out = np.zeros(len(tokens), dtype=np.int64)
-    for v, (tok, p) in enumerate(zip(tokens, parents)):
-        prev = root_tail if p < 0 else tails[p]
-        tails.append((prev + (tok,))[-n:])
-        out[v] = int(valid[v] and len(prev) >= n and recent.get(prev, -1) == tok)
-    return out
+    tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+    # Siblings share their parent's tail: one look-up per node that has children (about N / topk of them),
+    # walked in index order (a parent's index is below its children's), not one per node.
+    tails = {-1: tuple(context[-n:])}
+    for p in sorted(set(parents) - {-1}):
+        tails[p] = (tails[parents[p]] + (tokens[p],))[-n:]
+    follower = {p: recent.get(tail, -1) if len(tail) >= n else -1 for p, tail in tails.items()}
+    next_of_parent = np.fromiter((follower[p] for p in parents), dtype=np.int64, count=len(parents))
+    return ((np.asarray(tokens, dtype=np.int64) == next_of_parent) & tree.valid[0].cpu().numpy()).astype(np.int64)

@@ -198,8 +198,8 @@ class Calibrator:
         B, N = tree.token_ids.shape
         out = np.zeros((B, N), dtype=np.int64)
         for b in range(B):
-            row = DraftTree(*(t[b:b + 1] for t in (tree.token_ids, tree.parents, tree.depth, tree.draft_probs,
-                                                   tree.log_scores, tree.valid)))
+            row = tree if B == 1 else DraftTree(*(t[b:b + 1] for t in (tree.token_ids, tree.parents, tree.depth,
+                                                                         tree.draft_probs, tree.log_scores, tree.valid)))
             rank = sibling_rank(row) if self.num_ranks > 1 else np.zeros(N, dtype=np.int64)
             copies = copies_recent(row, context, index=index if B == 1 else None) if (self.copy and context) \
                 else np.zeros(N, dtype=np.int64)
