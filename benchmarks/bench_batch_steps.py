@@ -6,7 +6,8 @@ source, like `bench_serve`'s 96-token prompts) are admitted together and decoded
 tokens; the time per batch step after the prefill step and the throughput (tokens committed after
 the prefill step per second of their decoding: a speculative step commits several per request, so
 step times alone do not compare methods) are medians over `--repeats` runs, interleaved (every
-other repeat in reverse order); `vs_ar` is the throughput ratio. Under a serving load (`bench_serve.py`, not here)
+other repeat in reverse order); `vs_ar` is the throughput ratio. `full_batch_*` counts only the
+steps that ran all B requests (see `_run`: the tail of a static batch). Under a serving load (`bench_serve.py`, not here)
 the prefills of arriving requests run between batch steps; requests admitted in the same step are
 prefilled together in one forward (`engine.batch.prefill_batch`), and the prefill of B prompts one
 by one and together is timed beside each other.
@@ -57,21 +58,32 @@ def _engine(llm, method: str):
     return engine
 
 
-def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int, float]:
-    """(ms per batch step after the prefill step, speculative request-steps, tokens/s: tokens committed
-    after the prefill step over their decode time) of one batch decoded to the end."""
+def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int, float, float]:
+    """Of one batch decoded to the end: (ms per batch step after the prefill step, speculative
+    request-steps, tokens/s: tokens committed after the prefill step over their decode time, the same
+    over the steps that ran all `batch` requests).
+
+    The last is the throughput at batch size B. A static batch keeps stepping until its slowest request
+    is done: `ar`'s requests all finish on the same step, speculating ones one by one (a request whose text
+    the drafter predicts well needs half the steps of its neighbour), so the whole-run figure also counts
+    a tail of ever smaller batches that a server, refilling free slots with waiting requests, would not run."""
     requests = [llm.make_request(ids[:PROMPT_TOKENS - batch + i + 1], params) for i in range(batch)]
     for r in requests:
         engine.add(r)
     engine.step()  # the prefills and first tokens
     first = sum(len(r.output_ids) for r in requests)
-    t0, steps = time.perf_counter(), 0
+    t0, steps, full_s, full_tokens = time.perf_counter(), 0, 0.0, 0
     while engine.num_active:
-        engine.step()
+        full, t_step = engine.num_active == batch, time.perf_counter()
+        outputs, _ = engine.step()
+        if full:
+            full_s += time.perf_counter() - t_step
+            full_tokens += sum(len(o.new_ids) for o in outputs)
         steps += 1
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in requests) - first
-    return seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds
+    return (seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds,
+            full_tokens / full_s)
 
 
 def _prefill_ms(target, ids: list[int], sizes: list[int], repeats: int = 10) -> dict[int, tuple[float, float]]:
@@ -126,6 +138,7 @@ def main(argv=None) -> dict:
             rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
     step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
     tokens_per_s = {key: statistics.median(r[2] for r in rs) for key, rs in rows.items()}
+    full_tokens_per_s = {key: statistics.median(r[3] for r in rs) for key, rs in rows.items()}
     prefill = _prefill_ms(llms["ar"].target, ids, sizes)
     result = {"model": args.model, "load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
               "prefill_96_ms": prefill, "cells": []}
@@ -138,10 +151,13 @@ def main(argv=None) -> dict:
                     "tokens_per_s": tokens_per_s[m, b],
                     "vs_ar": tokens_per_s[m, b] / tokens_per_s["ar", b],
                     "vs_batch_1": tokens_per_s[m, b] / tokens_per_s[m, sizes[0]] if sizes[0] == 1 else None,
+                    "full_batch_tokens_per_s": full_tokens_per_s[m, b],
+                    "full_batch_vs_ar": full_tokens_per_s[m, b] / full_tokens_per_s["ar", b],
                     "speculative_steps": sum(r[1] for r in rows[m, b])}
             result["cells"].append(cell)
             print(f"{m:12s} B={b}  {cell['step_ms']:.3f} ms/step  {cell['tokens_per_s']:7.1f} tok/s  "
                   f"x ar {cell['vs_ar']:.3f}" + (f"  x B=1 {cell['vs_batch_1']:.2f}" if cell["vs_batch_1"] else "")
+                  + f"  full batch {cell['full_batch_tokens_per_s']:7.1f} tok/s x ar {cell['full_batch_vs_ar']:.3f}"
                   + f"  speculative steps {cell['speculative_steps']}")
     if args.json:
         with open(args.json, "w") as f:
