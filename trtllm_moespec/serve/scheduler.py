@@ -297,10 +297,11 @@ class Scheduler:
         if out.error is not None or out.finished:
             del self._running[id(out.request)]
             ticket.state = "done"
-            # Counted before the caller hears of it: a client that reads /metrics right after its
-            # response must see its request finished.
+            # Counted, and the running gauge lowered, before the caller hears of it: a client that reads
+            # /metrics right after its response must see its request finished and no longer running.
             self.metrics.record_finish(out.error is not None, out.request.finish_reason, now - ticket.arrival,
                                        len(out.request.prompt_ids), len(out.request.output_ids))
+            self.metrics.set_load(len(self._waiting), len(self._running))
             if out.error is not None:
                 ticket.sink(FinishEvent("error", out.error))
             else:
