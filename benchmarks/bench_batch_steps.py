@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -58,13 +59,20 @@ def _engine(llm, method: str):
     return engine
 
 
-def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int, float, float]:
-    """Of one batch decoded to the end: (ms per batch step after the prefill step, speculative
-    request-steps, tokens/s: tokens committed after the prefill step over their decode time, the same
-    over the steps that ran all `batch` requests).
+class Run(NamedTuple):
+    """One batch decoded to the end."""
 
-    The last is the throughput at batch size B. A static batch keeps stepping until its slowest request
-    is done: `ar`'s requests all finish on the same step, speculating ones one by one (a request whose text
+    step_ms: float  # ms per batch step after the prefill step
+    speculative_steps: int  # request-steps that verified draft nodes
+    tokens_per_s: float  # tokens committed after the prefill step over their decode time
+    full_batch_tokens_per_s: float  # the same over the steps that ran all B requests
+
+
+def _run(llm, engine, ids: list[int], batch: int, params) -> Run:
+    """One batch of `batch` requests decoded to the end.
+
+    `full_batch_tokens_per_s` is the throughput at batch size B. A static batch keeps stepping until its
+    slowest request is done: `ar`'s requests all finish on the same step, speculating ones one by one (a request whose text
     the drafter predicts well needs half the steps of its neighbour), so the whole-run figure also counts
     a tail of ever smaller batches that a server, refilling free slots with waiting requests, would not run."""
     requests = [llm.make_request(ids[:PROMPT_TOKENS - batch + i + 1], params) for i in range(batch)]
@@ -82,8 +90,8 @@ def _run(llm, engine, ids: list[int], batch: int, params) -> tuple[float, int, f
         steps += 1
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in requests) - first
-    return (seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds,
-            full_tokens / full_s)
+    return Run(seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds,
+               full_tokens / full_s)
 
 
 def _prefill_ms(target, ids: list[int], sizes: list[int], repeats: int = 10) -> dict[int, tuple[float, float]]:
@@ -136,9 +144,9 @@ def main(argv=None) -> dict:
     for repeat in range(args.repeats):  # interleaved, every other repeat in reverse: drift hits every cell alike
         for m, b in cells if repeat % 2 == 0 else cells[::-1]:
             rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
-    step_ms = {key: statistics.median(r[0] for r in rs) for key, rs in rows.items()}
-    tokens_per_s = {key: statistics.median(r[2] for r in rs) for key, rs in rows.items()}
-    full_tokens_per_s = {key: statistics.median(r[3] for r in rs) for key, rs in rows.items()}
+    step_ms = {key: statistics.median(r.step_ms for r in rs) for key, rs in rows.items()}
+    tokens_per_s = {key: statistics.median(r.tokens_per_s for r in rs) for key, rs in rows.items()}
+    full_tokens_per_s = {key: statistics.median(r.full_batch_tokens_per_s for r in rs) for key, rs in rows.items()}
     prefill = _prefill_ms(llms["ar"].target, ids, sizes)
     result = {"model": args.model, "load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
               "prefill_96_ms": prefill, "cells": []}
@@ -153,7 +161,7 @@ def main(argv=None) -> dict:
                     "vs_batch_1": tokens_per_s[m, b] / tokens_per_s[m, sizes[0]] if sizes[0] == 1 else None,
                     "full_batch_tokens_per_s": full_tokens_per_s[m, b],
                     "full_batch_vs_ar": full_tokens_per_s[m, b] / full_tokens_per_s["ar", b],
-                    "speculative_steps": sum(r[1] for r in rows[m, b])}
+                    "speculative_steps": sum(r.speculative_steps for r in rows[m, b])}
             result["cells"].append(cell)
             print(f"{m:12s} B={b}  {cell['step_ms']:.3f} ms/step  {cell['tokens_per_s']:7.1f} tok/s  "
                   f"x ar {cell['vs_ar']:.3f}" + (f"  x B=1 {cell['vs_batch_1']:.2f}" if cell["vs_batch_1"] else "")

@@ -235,7 +235,7 @@ class SpecEngine:
         t_draft += time.perf_counter() - t0
 
         done = self._append(request, emitted, out.logits[0], result)
-        self._record(request, guard, True, emitted, observed, t_step, t_switch, draft_ms=t_draft * 1e3,
+        self._record(request, guard, True, emitted, observed, t_step, t_switch=t_switch, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return done
@@ -259,7 +259,7 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
         done = self._append(request, emitted, out.logits[0])
-        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, 0.0, draft_ms=t_draft * 1e3,
+        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, draft_ms=t_draft * 1e3,
                      predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
                      commit_ms=t_commit * 1e3)
         return done
@@ -271,7 +271,7 @@ class SpecEngine:
                     **_per_rank_stats(out, self.placement))
 
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
-                observed: dict, t_step: float, t_switch: float, **times) -> None:
+                observed: dict, t_step: float, t_switch: float = 0.0, **times) -> None:
         """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard:
         less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`)."""
         request.steps.append(StepStats(
