@@ -45,10 +45,11 @@ family)
   python build_scripts/train_model.py $F predictor-head --minutes "${HEAD_MIN:-4}" --train-windows 128 --threads 1 \
     2>&1 | tee runs/logs/base_predictor_head.log
   python build_scripts/train_model.py $F export-predictor-head
-  # calibrator prior: T=0 and T=1 records on prompts after the bench's first 8 of each dataset
-  moespec replay record --model moespec-base --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 --num-prompts 4 \
+  # calibrator prior: T=0 and T=1 records on prompts 9-32 (T=1: 9-20) of each dataset, after the bench's first 8
+  # (prompts 33-40 checked the fit: --skip-prompts 32 --num-prompts 8, runs/vals/val_t0.safetensors)
+  moespec replay record --model moespec-base --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 --num-prompts 24 \
     --max-tokens 64 --no-hidden --out "$R/replay/train_t0.safetensors"
-  moespec replay record --model moespec-base --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 --num-prompts 2 \
+  moespec replay record --model moespec-base --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 --num-prompts 12 \
     --max-tokens 64 --temperature 1 --no-hidden --out "$R/replay/train_t1.safetensors"
   moespec replay fit-calibrator "$R/replay/train_t0.safetensors" "$R/replay/train_t1.safetensors" --out "$A/values/calibrator.json"
   python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 \

@@ -67,3 +67,29 @@ def test_bad_replay_files_fail_cleanly(tmp_path, capsys):
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     assert cli_main(["replay", "rank", str(tmp_path / "bad.safetensors")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_calibrator_prior_counts_only_nodes_whose_parent_the_target_accepts(recorded, tmp_path):
+    """c(v) is P(accept v | parent accepted): a node under a rejected parent is no trial (the fit once
+    counted every node, which made deep low-rank nodes look 5x likelier than live and copies unlikelier)."""
+    from trtllm_moespec.core.values import Calibrator
+    from trtllm_moespec.replay.score import true_values
+
+    _, records, _ = recorded
+    path = tmp_path / "records.safetensors"
+    records.save(path)
+    out = tmp_path / "cal.json"
+    assert cli_main(["replay", "fit-calibrator", str(path), "--out", str(out)]) == 0
+    trials, accepted = Calibrator.load(out).tables[0].arrays()
+    expected_trials = expected_hits = 0
+    for s in range(records.num_steps):
+        step = records.step(s)
+        truth = true_values(step)[0] > 0.5  # T=0: the target's chain
+        for v in range(step.tree.num_nodes):
+            parent = int(step.tree.parents[0, v])
+            if bool(step.tree.valid[0, v]) and (parent < 0 or bool(truth[parent])):
+                expected_trials += 1
+                expected_hits += int(truth[v])
+    assert expected_trials < sum(int(records.step(s).tree.valid.sum()) for s in range(records.num_steps))
+    assert trials.sum() == pytest.approx(expected_trials)
+    assert accepted.sum() == pytest.approx(expected_hits)

@@ -69,6 +69,8 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     f.add_argument("--prior-weight", type=float, default=50.0)
     f.add_argument("--num-depths", type=int, default=4)
     f.add_argument("--num-ranks", type=int, default=3)
+    f.add_argument("--identity-weight", type=float, default=1.0,
+                   help="pseudo-trials per bin at the draft probability (what an empty bin falls back to)")
     f.add_argument("--no-copy", action="store_true", help="do not split groups by the context-copy feature")
     return p
 
@@ -219,19 +221,27 @@ def _fit(args, argv) -> int:
 
     from ..core.values import Calibrator
     from .records import ReplayFile
+    from .score import true_values
 
     scheme = Calibrator(prior_weight=args.prior_weight, num_depths=args.num_depths, num_ranks=args.num_ranks,
-                        copy=not args.no_copy)
+                        copy=not args.no_copy, identity_weight=args.identity_weight)
     samples: dict[float, list] = {}
     for path in args.files:
         rf = ReplayFile.load(path)
         for s in range(rf.num_steps):
             step = rf.step(s)
             v = step.tree.valid[0].numpy()
-            # Every node is a trial: its target verdict given its own path (full tree, from the peek).
+            # A node is a trial of c(v) = P(target accepts v | its parent accepted), counted with the weight
+            # that its parent is accepted (full tree, from the peek: 0 or 1 at T=0). Nodes under a rejected
+            # parent are not trials: after a wrong token the target's next choice says nothing live. (A
+            # rejected path's value is at most 1e-6, the floor of `path_values`: such parents are dropped.)
+            parent = step.tree.parents[0].numpy()
+            reach = true_values(step)[0].double().numpy()
+            weight = np.where(parent >= 0, reach[np.maximum(parent, 0)], 1.0)
+            keep = v & (weight > 1e-6)
             samples.setdefault(step.temperature, []).append(
-                (scheme.node_groups(step.tree, step.context)[0][v], step.tree.draft_probs[0].double().numpy()[v],
-                 step.target_local[0].double().numpy()[v]))
+                (scheme.node_groups(step.tree, step.context)[0][keep], step.tree.draft_probs[0].double().numpy()[keep],
+                 step.target_local[0].double().numpy()[keep], weight[keep]))
     if not samples:
         raise ValueError("no recorded steps to fit a calibrator on")
     merged = {t: tuple(np.concatenate(x) for x in zip(*parts)) for t, parts in samples.items()}
@@ -240,7 +250,8 @@ def _fit(args, argv) -> int:
 
     with atomic_path(args.out) as tmp:
         cal.save(tmp)
-    print(f"calibrator over {sum(len(m[0]) for m in merged.values())} nodes, {cal.num_groups} groups, "
+    print(f"calibrator over {sum(len(m[0]) for m in merged.values())} trials (nodes under an accepted parent), "
+          f"{cal.num_groups} groups, "
           f"temperatures {sorted(merged)} -> {args.out}")
     return 0
 
