@@ -163,11 +163,6 @@ class Calibrator:
     num_depths: int = 4
     num_ranks: int = 3
     copy: bool = True  # split groups by the copy feature (needs the context)
-    # Pseudo-trials per bin at the bin centre (rate = the local score itself), so that empty bins stay
-    # defined. Kept well under one trial: where a few trials say a group is accepted far more often than
-    # its draft probability (a token that repeats the context), a whole pseudo-trial per bin pulled those
-    # sparse bins back towards the draft probability (held-out: predicted 0.3-0.7, accepted 0.9+).
-    identity_weight: float = 1.0
 
     def __post_init__(self) -> None:
         e = np.asarray(self.edges)
@@ -184,8 +179,6 @@ class Calibrator:
                 raise ValueError("calibrator table has accepted counts outside [0, trials]")
         if not self.prior_weight > 0:
             raise ValueError(f"calibrator prior_weight must be > 0, got {self.prior_weight}")
-        if not self.identity_weight > 0:
-            raise ValueError(f"calibrator identity_weight must be > 0, got {self.identity_weight}")
 
     @property
     def num_bins(self) -> int:
@@ -216,13 +209,13 @@ class Calibrator:
     def prior_for(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
         """(trials, accepted) [G, M] of the table nearest in temperature, capped at prior_weight per bin,
         plus an identity pseudo-trial per bin (rate = bin centre) so that empty bins stay defined."""
-        centers, w = self.centers(), self.identity_weight
+        centers = self.centers()
         if not self.tables:
-            return np.full((self.num_groups, self.num_bins), w), np.repeat(w * centers[None], self.num_groups, 0)
+            return np.ones((self.num_groups, self.num_bins)), np.repeat(centers[None], self.num_groups, 0)
         table = min(self.tables, key=lambda t: abs(t.temperature - temperature))
         trials, acc = table.arrays()
         scale = np.minimum(1.0, self.prior_weight / np.maximum(trials, 1e-12))
-        return trials * scale + w, acc * scale + w * centers[None]
+        return trials * scale + 1.0, acc * scale + centers[None]
 
     def centers(self) -> np.ndarray:
         e = np.asarray(self.edges)
@@ -237,7 +230,6 @@ class Calibrator:
         return json.dumps({
             "format": CALIBRATOR_FORMAT, "version": 2, "edges": list(self.edges), "prior_weight": self.prior_weight,
             "source": self.source, "num_depths": self.num_depths, "num_ranks": self.num_ranks, "copy": self.copy,
-            "identity_weight": self.identity_weight,
             "tables": [{"temperature": t.temperature, "trials": [list(r) for r in t.trials],
                         "accepted": [list(r) for r in t.accepted]} for t in self.tables],
         }, indent=1) + "\n"
@@ -260,8 +252,7 @@ class Calibrator:
             tables = tuple(CalibrationTable(float(t["temperature"]), tuple(tuple(map(float, r)) for r in t["trials"]),
                                             tuple(tuple(map(float, r)) for r in t["accepted"])) for t in raw["tables"])
             return Calibrator(tuple(map(float, raw["edges"])), tables, float(raw["prior_weight"]), str(raw["source"]),
-                              int(raw["num_depths"]), int(raw["num_ranks"]), bool(raw["copy"]),
-                              float(raw.get("identity_weight", 1.0)))
+                              int(raw["num_depths"]), int(raw["num_ranks"]), bool(raw["copy"]))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"value calibrator {path} is malformed: {err}") from None
 

@@ -69,8 +69,6 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     f.add_argument("--prior-weight", type=float, default=50.0)
     f.add_argument("--num-depths", type=int, default=4)
     f.add_argument("--num-ranks", type=int, default=3)
-    f.add_argument("--identity-weight", type=float, default=1.0,
-                   help="pseudo-trials per bin at the draft probability (what an empty bin falls back to)")
     f.add_argument("--no-copy", action="store_true", help="do not split groups by the context-copy feature")
     return p
 
@@ -224,7 +222,7 @@ def _fit(args, argv) -> int:
     from .score import true_values
 
     scheme = Calibrator(prior_weight=args.prior_weight, num_depths=args.num_depths, num_ranks=args.num_ranks,
-                        copy=not args.no_copy, identity_weight=args.identity_weight)
+                        copy=not args.no_copy)
     samples: dict[float, list] = {}
     for path in args.files:
         rf = ReplayFile.load(path)
