@@ -44,7 +44,7 @@ CALIBRATOR_FORMAT = "moespec-value-calibrator"
 # Local-score bin edges: drafter probabilities crowd near 0, so the low bins are narrow.
 DEFAULT_EDGES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
                  0.9, 1.0)
-_MIN_COND = 1e-6  # keeps log(value) finite
+MIN_COND = 1e-6  # keeps log(value) finite
 
 
 class RequestValues(Protocol):
@@ -72,7 +72,7 @@ def path_values(tree: DraftTree, cond: torch.Tensor) -> torch.Tensor:
     B, N = tree.token_ids.shape
     if N == 0:
         return torch.zeros(B, 0, dtype=torch.float32, device=tree.token_ids.device)
-    logc = np.log(np.clip(cond.detach().cpu().double().numpy(), _MIN_COND, 1.0))
+    logc = np.log(np.clip(cond.detach().cpu().double().numpy(), MIN_COND, 1.0))
     parents, depth, valid = (t.cpu().numpy() for t in (tree.parents, tree.depth, tree.valid))
     logv = np.where(valid, logc, -np.inf)
     for d in range(2, int(depth.max()) + 1):  # depth-1 nodes hang from the root
@@ -319,7 +319,7 @@ class OnlineCalibration:
         hi = np.clip(np.searchsorted(centers, x, side="right"), 1, len(centers) - 1)
         w = (x - centers[hi - 1]) / (centers[hi] - centers[hi - 1])
         out = maps[group, hi - 1] * (1 - w) + maps[group, hi] * w
-        return np.clip(out, _MIN_COND, 1.0)
+        return np.clip(out, MIN_COND, 1.0)
 
     def update(self, group: np.ndarray, score: np.ndarray, hit: np.ndarray) -> None:
         if len(group) == 0:

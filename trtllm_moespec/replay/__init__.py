@@ -217,7 +217,7 @@ def _rank(args, argv) -> int:
 def _fit(args, argv) -> int:
     import numpy as np
 
-    from ..core.values import Calibrator
+    from ..core.values import MIN_COND, Calibrator
     from .records import ReplayFile
     from .score import true_values
 
@@ -232,11 +232,11 @@ def _fit(args, argv) -> int:
             # A node is a trial of c(v) = P(target accepts v | its parent accepted), counted with the weight
             # that its parent is accepted (full tree, from the peek: 0 or 1 at T=0). Nodes under a rejected
             # parent are not trials: after a wrong token the target's next choice says nothing live. (A
-            # rejected path's value is at most 1e-6, the floor of `path_values`: such parents are dropped.)
+            # rejected path's value is at most MIN_COND, the floor of `path_values`: such parents are dropped.)
             parent = step.tree.parents[0].numpy()
             reach = true_values(step)[0].double().numpy()
             weight = np.where(parent >= 0, reach[np.maximum(parent, 0)], 1.0)
-            keep = v & (weight > 1e-6)
+            keep = v & (weight > MIN_COND)
             samples.setdefault(step.temperature, []).append(
                 (scheme.node_groups(step.tree, step.context)[0][keep], step.tree.draft_probs[0].double().numpy()[keep],
                  step.target_local[0].double().numpy()[keep], weight[keep]))
