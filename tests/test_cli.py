@@ -251,7 +251,7 @@ def test_generate_help_documents_every_option():
     assert out.returncode == 0
     assert "{ar,coverage,ddd,eagle3,ecospec,evict,joint,oracle}" in out.stdout and "(default: joint)" in out.stdout
     bench = run_moespec(["bench", "--help"])
-    assert bench.returncode == 0 and "(default: 4,8,32)" in bench.stdout and "(default: 8)" in bench.stdout
+    assert bench.returncode == 0 and "(default: the model's" in bench.stdout and "(default: 8)" in bench.stdout
     from trtllm_moespec.api import METHODS
 
     assert tuple(sorted(POLICY_CHOICES)) == tuple(sorted(METHODS))

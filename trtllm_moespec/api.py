@@ -51,7 +51,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         draft_model: str | None = None,
         policy: str = "joint",
-        tree: TreeConfig = TreeConfig(),
+        tree: TreeConfig | None = None,
         device: str = "cpu",
         dtype: str = "float32",
         cost_profile: str | Path | CostTable | None = None,

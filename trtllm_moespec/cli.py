@@ -87,8 +87,9 @@ def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) ->
     p.add_argument("--policy", default="joint", choices=policies, metavar="{" + ",".join(policies) + "}",
                    help="which draft nodes to verify each step (see the README's policy table)"
                         + ("; X-batch: X's nodes chosen across the whole batch" if batch_policies else ""))
-    p.add_argument("--tree", default="4,8,32", type=_tree,
-                   help="steps,topk,max_draft_tokens of the draft tree (at most 4096 drafted nodes)")
+    p.add_argument("--tree", default=None, type=_tree,
+                   help="steps,topk,max_draft_tokens of the draft tree (at most 4096 drafted nodes; default: the "
+                        "model's, the tree its cost profile was measured with: 6,8,32 for moespec-base)")
     p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="weights and activations")
     p.add_argument("--model-impl", default="lean", choices=["lean", "hf"],

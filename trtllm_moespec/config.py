@@ -41,7 +41,9 @@ class MoESpecConfig:
     """How to speculate (LLM's `speculative_config=`). Every field has the default `LLM` has."""
 
     policy: str = "joint"  # which draft nodes to verify each step (config.METHODS)
-    tree: TreeConfig = TreeConfig()  # drafting shape and the verification cap
+    # drafting shape and the verification cap; None: the model's, the tree its cost profile was measured with
+    # (moespec-base 6,8,32, moespec-tiny 4,8,32; EAGLE's 4,8,32 where no profile names one)
+    tree: TreeConfig | None = None
     draft_model: str | Path | None = None  # EAGLE-3 drafter directory; None: the model's own
     drafter: str = "eagle3"  # "eagle3", or "ngram" (weightless prompt lookup)
     values: str = "calibrated"  # node values of the cost-aware policies: "raw", "calibrated", "head"
@@ -59,8 +61,8 @@ class MoESpecConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(METHODS)}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be 'eagle3' or 'ngram', got {self.drafter!r}")
-        if not isinstance(self.tree, TreeConfig):
-            raise ValueError(f"tree must be a TreeConfig, got {type(self.tree).__name__}")
+        if self.tree is not None and not isinstance(self.tree, TreeConfig):
+            raise ValueError(f"tree must be a TreeConfig or None, got {type(self.tree).__name__}")
         if self.guard not in GUARD_MODES:
             raise ValueError(f"guard must be one of {', '.join(GUARD_MODES)}, got {self.guard!r}")
         if self.draft_stop not in (None, True, False):
@@ -132,15 +134,12 @@ class ResolvedConfig:
     draft_stop: bool  # resolved: whether drafting stops early (needs rules_profile.draft_forward)
     ddd_threshold: float | None  # resolved: 0.3 for ddd unless given
     oracle_predictor: bool  # experts from the target itself (analysis only)
+    tree: TreeConfig  # resolved: the given tree, else the model's (`resolve.default_tree`)
     policy_options: dict[str, Any] = field(default_factory=dict)  # before EP's placement is added
 
     @property
     def policy(self) -> str:
         return self.spec.policy
-
-    @property
-    def tree(self) -> TreeConfig:
-        return self.spec.tree
 
     @property
     def dtype(self) -> str:

@@ -55,9 +55,10 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         raise ValueError("prefix_cache needs model_impl='lean' and one process (its K/V copy runs on this "
                          "process's cache only)")
     cuda_graphs = _resolve_cuda_graphs(runtime.cuda_graphs, device, runtime.model_impl, ep)
-    policy, tree = spec.policy, spec.tree
+    policy = spec.policy
     paths = resolve_model(str(runtime.model), spec.draft_model, spec.predictor)
     check_target_dir(paths.target)
+    tree = spec.tree if spec.tree is not None else default_tree(spec.cost_profile, paths)
     if spec.values == "head" and paths.acceptance_head is None:
         raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none "
                          "(use values='calibrated')")
@@ -83,7 +84,7 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         guard=_resolve_guard(policy, spec.guard, rules_profile),
         draft_stop=_resolve_draft_stop(policy, spec.draft_stop, rules_profile),
         ddd_threshold=spec.ddd_threshold if spec.ddd_threshold is not None else (0.3 if policy == "ddd" else None),
-        oracle_predictor=spec.predictor == "oracle", policy_options=dict(spec.policy_options or {}))
+        oracle_predictor=spec.predictor == "oracle", tree=tree, policy_options=dict(spec.policy_options or {}))
 
 
 def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:
@@ -272,6 +273,23 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
+
+
+def default_tree(cost_profile, paths: ModelPaths) -> TreeConfig:
+    """The tree when none is given: the one the cost profile in use (`cost_profile`, else the model's own) was
+    measured with, so that a model ships the drafting shape tuned for it with its profile (a profile only
+    prices that tree); EAGLE's 4,8,32 where no profile names one."""
+    if isinstance(cost_profile, CostTable):
+        measured = cost_profile.tree
+    elif isinstance(cost_profile, str) and cost_profile.startswith("roofline"):
+        measured = None
+    else:
+        path = Path(cost_profile) if cost_profile is not None else paths.cost_profile
+        try:
+            measured = CostTable.load(path).tree if path.is_file() else None
+        except ValueError:  # a broken profile is reported by load_cost_profile, where a policy needs it
+            measured = None
+    return TreeConfig(*measured) if measured else TreeConfig()
 
 
 def load_cost_profile(policy: str, cost_profile, paths: ModelPaths, device: str, dtype: str, tree: TreeConfig,

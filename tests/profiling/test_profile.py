@@ -61,6 +61,25 @@ def test_policies_pick_up_the_profile(profiled):
     assert joint.policy.cost_model == table.expert_model
 
 
+def test_without_a_tree_the_model_drafts_the_tree_its_profile_was_measured_with(profiled, tmp_path):
+    from trtllm_moespec import LLM
+
+    target, draft, path = profiled
+    assert TREE != TreeConfig()  # (2, 4, 8): not the 4,8,32 fallback, so the assertions below can fail
+    evict = LLM(model=str(target), draft_model=str(draft), policy="evict")
+    assert evict.tree == TREE and evict.engine.draft_source.steps == TREE.steps
+    assert evict.engine.draft_source.topk == TREE.topk and evict.engine.tree == TREE
+    eagle3 = LLM(model=str(target), draft_model=str(draft), policy="eagle3")  # no profile needed, still the model's
+    assert eagle3.tree == TREE
+    # a profile given explicitly names the tree; a roofline estimate names none (EAGLE's 4,8,32)
+    other = tmp_path / "other_profile.json"
+    other.write_text(json.dumps({**json.loads(path.read_text()), "tree": [3, 4, 8]}))
+    assert LLM(model=str(target), draft_model=str(draft), policy="eagle3", cost_profile=str(other)).tree == \
+        TreeConfig(3, 4, 8)
+    assert LLM(model=str(target), draft_model=str(draft), policy="eagle3", cost_profile="roofline:H200").tree == \
+        TreeConfig()
+
+
 def test_profile_for_another_setting_is_refused(profiled):
     from trtllm_moespec import LLM
 

@@ -46,7 +46,8 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"local HF directory or an embedded model (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
-    p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens shared by every EAGLE-family method")
+    p.add_argument("--tree", default=None, help="steps,topk,max_draft_tokens shared by every EAGLE-family method "
+                   "(default: the model's, the tree its cost profile was measured with)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--cost-profile", default=None, help="for evict/joint (default: the model's cost_profile.json)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None, prog: str = "moespec bench") -> int:
 
         set_threads(args.threads)
         _validate(args)
-        tree = TreeConfig.parse(args.tree)
+        tree = TreeConfig.parse(args.tree) if args.tree is not None else None
         _check_output_paths(args)
         specs = resolve_methods(args)
         prompts = {ds: load_prompts(ds, args.num_prompts) for ds in args.datasets}
@@ -216,7 +217,9 @@ def _warm_prompt(runner, args) -> list[int]:
 
 def _config(args, tree, specs, runners) -> dict:
     tok = tokenization_note(runners[0].llm.tokenizer) if runners else None
-    return {"model": args.model, "draft_model": args.draft_model, "tree": list(tree.as_tuple()), "device": args.device,
+    tree = runners[0].llm.tree if runners else tree  # None given: the model's, which every method resolved alike
+    return {"model": args.model, "draft_model": args.draft_model, "tree": list(tree.as_tuple()) if tree else None,
+            "device": args.device,
             "dtype": args.dtype, "datasets": list(args.datasets), "temperatures": list(args.temperature),
             "num_prompts": args.num_prompts, "repeats": args.repeats, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,

@@ -82,14 +82,14 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
     from tqdm.auto import tqdm
 
     from ..api import LLM, SamplingParams
-    from ..engine.config import TreeConfig
     from ..resolve import device_name
     from ..bench.datasets import encode_prompt
 
-    tree = tree or TreeConfig()
     if repeats < 3:
         raise ValueError(f"--repeats must be >= 3 for a median and a spread, got {repeats}")
-    from ..resolve import resolve_model
+    from ..resolve import default_tree, resolve_model
+
+    tree = tree or default_tree(None, resolve_model(model, draft_model))  # re-profiling keeps the model's tree
 
     path = output_path(resolve_model(model, draft_model).cost_profile, out)
     check_writable(path, "--out" if out is not None else "the cost profile path")  # before minutes of measuring
@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moespec profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"local HF directory or an embedded model (default {DEFAULT_MODEL})")
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter directory (default: the model's own)")
-    p.add_argument("--tree", default="4,8,32", help="steps,topk,max_draft_tokens (default 4,8,32)")
+    p.add_argument("--tree", default=None, help="steps,topk,max_draft_tokens (default: the model's, the tree of "
+                   "its shipped profile; 4,8,32 without one)")
     p.add_argument("--out", default=None, help="output file (default: cost_profile.json beside the model; for the "
                    "shipped models ./moespec-<family>.cost_profile.json, never the shipped asset)")
     p.add_argument("--device", default="cpu")
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def run(ep=None) -> int:
-        result = profile_model(args.model, args.draft_model, TreeConfig.parse(args.tree), args.device, args.dtype,
+        tree = TreeConfig.parse(args.tree) if args.tree is not None else None
+        result = profile_model(args.model, args.draft_model, tree, args.device, args.dtype,
                                args.repeats, args.warmup, args.prompts, args.out, args.seed,
                                allow_noisy=args.allow_noisy, ep=ep)
         print(format_table(result))

@@ -37,7 +37,7 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     r.add_argument("--draft-model", default=None)
     r.add_argument("--policy", default="eagle3", help="the live policy (default eagle3: the fixed tree)")
     r.add_argument("--values", default="calibrated", help="the live value model of a cost-aware policy")
-    r.add_argument("--tree", default="4,8,32")
+    r.add_argument("--tree", default=None, help="steps,topk,max_draft_tokens (default: the model's)")
     r.add_argument("--cost-profile", default=None)
     r.add_argument("--datasets", type=_csv(str), default=("humaneval", "mt_bench", "gsm8k"))
     r.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
@@ -110,14 +110,14 @@ def _record(args, argv) -> int:
     if args.num_prompts < 1 or args.skip_prompts < 0 or args.max_tokens < 1:
         raise ValueError("--num-prompts and --max-tokens must be positive, --skip-prompts >= 0")
     torch.set_num_threads(args.threads)
-    tree = TreeConfig.parse(args.tree)
+    tree = TreeConfig.parse(args.tree) if args.tree is not None else None
     prompts = [p for ds in args.datasets for p in load_prompts(ds, args.skip_prompts + args.num_prompts)[args.skip_prompts:]]
     llm = LLM(model=args.model, draft_model=args.draft_model, policy=args.policy, tree=tree, values=args.values,
               cost_profile=args.cost_profile)
     limit = llm.target.max_position_embeddings - args.max_tokens
     ids = [encode_prompt(p.text, llm.tokenizer, llm.target.vocab_size, limit) for p in prompts]
     meta = {"model": args.model, "draft_model": args.draft_model, "policy": args.policy, "values": args.values,
-            "tree": list(tree.as_tuple()), "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "tree": list(llm.tree.as_tuple()), "temperature": args.temperature, "max_tokens": args.max_tokens,
             "prompts": [f"{p.dataset}:{p.prompt_id}" for p in prompts], "command": "moespec replay " + " ".join(argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t0 = time.time()
