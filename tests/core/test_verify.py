@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from trtllm_moespec.core import (DraftTree, SamplingConfig, build_layout, draw_uniforms, score_order,
                                  top_k_nodes, verify_tree, verify_tree_reference)
-from trtllm_moespec.core.verify import expected_accepted
 
 from tests.engine.distribution import chi_square_limit, reference_law
 
@@ -113,22 +112,6 @@ def test_rule_is_lossless_by_exact_enumeration(seed):
     assert set(got) <= set(want)
     for seq, p in want.items():
         assert math.isclose(got.get(seq, 0.0), p, abs_tol=1e-12)
-
-
-@settings(max_examples=60, deadline=None)
-@given(seeds)
-def test_expected_accepted_is_the_mean_accepted_count_of_the_rule(seed):
-    """The goodput guard's T>0 yield (core.verify.expected_accepted) against the rule's exact law: the mean of
-    (emitted length - 1) over every sequence the walk can emit, by enumeration; at T=0 the accepted count."""
-    rng = np.random.default_rng(seed)
-    table = TargetTable(seed)
-    tree = _small_tree(rng)
-    layout = build_layout(tree, top_k_nodes(tree, tree.num_nodes), torch.tensor([0]))
-    logits = _layout_logits(layout, 0, table)[None]
-    want = sum(q * (len(seq) - 1) for seq, q in _exact_emission(layout, table).items())
-    assert math.isclose(expected_accepted(layout, logits, SamplingConfig(temperature=1.0)), want, abs_tol=1e-5)
-    greedy = verify_tree(layout, logits, [SamplingConfig(temperature=0.0)])
-    assert expected_accepted(layout, logits, SamplingConfig(temperature=0.0)) == float(greedy.num_accepted[0])
 
 
 @settings(max_examples=50, deadline=None)

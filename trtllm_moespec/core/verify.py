@@ -116,33 +116,6 @@ def verify_tree(
         layout, _probs_at(target_logits, cur, configs), kids, uniforms))
 
 
-def expected_accepted(layout: TreeLayout, target_logits: torch.Tensor, config: SamplingConfig) -> float:
-    """E[accepted draft tokens] of one request's step under `verify_tree`'s rule (batch of one; target_logits
-    [1, 1+K, V] at its layout positions, as verified): over the selected nodes, the probability that the walk
-    accepts the node's whole path, the product along it of p(token | its parent's context).
-
-    With deterministic drafts the rule accepts child c of the node it stands on with probability p(c), whatever
-    its siblings (module doc), so this is exact, and at T=0 (p one-hot) it is the accepted count itself. At
-    T > 0 it is the count's conditional mean given the tree and the target: a step accepts 0 or 2 tokens by
-    luck, its expectation does not, so an average over a few steps (the goodput guard's) settles sooner.
-    """
-    T = layout.num_positions
-    if T == 1:
-        return 0.0
-    parents, tokens = layout.parent_pos[0].tolist(), layout.token_ids[0].tolist()
-    valid, depth = layout.valid[0].tolist(), layout.depth[0].tolist()
-    nodes = sorted((j for j in range(1, T) if valid[j] and parents[j] >= 0), key=lambda j: depth[j])  # parents first
-    if not nodes:
-        return 0.0
-    rows = sorted({parents[j] for j in nodes})
-    probs = target_probs(target_logits[0, rows].to(torch.float32), config).cpu()  # [P, V]: one per expanded position
-    p_child = probs[[rows.index(parents[j]) for j in nodes], [tokens[j] for j in nodes]].tolist()
-    reach = {0: 1.0}  # P(the walk reaches layout position j)
-    for j, p in zip(nodes, p_child):
-        reach[j] = reach[parents[j]] * p
-    return float(sum(reach[j] for j in nodes))
-
-
 def _walk_tensors(layout: TreeLayout, device: torch.device, step: Callable) -> VerifyResult:
     """Both sampling rules' walk on tensors, every request at once, one depth per round:
     `step(cur [B], kids [B, C], depth)` returns each request's accepted child among `kids`

@@ -26,7 +26,7 @@ from ..core.sampling import SamplingConfig, target_probs
 from ..core.seeded import PositionKeys
 from ..core.tree import DraftTree, deepest_selected, keep_top_nodes, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
-from ..core.verify import VerifyResult, expected_accepted, verify_tree
+from ..core.verify import VerifyResult, verify_tree
 from ..detokenize import StopCut
 from ..models.target import TargetModel, TargetOutput
 from .config import TreeConfig
@@ -174,12 +174,8 @@ class SpecEngine:
     @staticmethod
     def accept(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
         """The acceptance rule on one request's step, logits [1, 1+K, V] at its layout positions."""
-        return SpecEngine.accept_processed(request, layout, processed_logits(request, logits, layout))
-
-    @staticmethod
-    def accept_processed(request: Request, layout: TreeLayout, logits: torch.Tensor) -> VerifyResult:
-        """`accept` on logits its logit rules and grammar already processed (`processed_logits`)."""
-        return verify_tree(layout, logits, [request.sampling], [request.generator], seeds=position_keys([request]))
+        return verify_tree(layout, processed_logits(request, logits, layout), [request.sampling], [request.generator],
+                           seeds=position_keys([request]))
 
     def _step(self, request: Request, cache, drafter: "RequestDrafter", values: RequestValues | None = None,
               guard: GuardState | None = None) -> bool:
@@ -219,8 +215,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
         t_target = time.perf_counter() - t0
-        logits = processed_logits(request, out.logits, layout)
-        result = self.accept_processed(request, layout, logits)
+        result = self.accept(request, layout, out.logits)
         t_verify = time.perf_counter() - t0
 
         if values is not None:  # the step's own outcome updates the request's value model (no extra forward)
@@ -240,8 +235,6 @@ class SpecEngine:
         t_draft += time.perf_counter() - t0
 
         done = self._append(request, emitted, out.logits[0], result)
-        if guard is not None and not request.sampling.greedy:  # what the guard averages: the step's mean yield
-            observed["guard_tokens"] = 1.0 + expected_accepted(layout, logits, request.sampling)
         self._record(request, guard, True, emitted, observed, t_step, t_switch=t_switch, draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
@@ -280,16 +273,14 @@ class SpecEngine:
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
                 observed: dict, t_step: float, t_switch: float = 0.0, **times) -> None:
         """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard:
-        less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`). The
-        outcome is the committed count, or `observed["guard_tokens"]` where given (its mean at T > 0)."""
-        guard_tokens = observed.pop("guard_tokens", len(emitted))
+        less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`)."""
         request.steps.append(StepStats(
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated, **observed, **times,
         ))
         if guard is not None:
             seconds = request.steps[-1].step_ms / 1e3 - t_switch
-            guard.observe(speculated, guard_tokens, seconds, observed["verified_tokens"])
+            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"])
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth

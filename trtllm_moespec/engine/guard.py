@@ -4,10 +4,7 @@ Before each step the engine asks the request's `GuardState` whether to speculate
 The answer is `core.drafting.speculation_pays` on running estimates:
 
 - tokens a speculative step commits (EWMA over this request's speculative steps:
-  realized acceptance is the best estimate of the selected nodes' value). At T>0 a step's
-  count is its expectation given the verified tree and the target's distribution
-  (`core.verify.expected_accepted`): a sampled step commits 1 or 3 tokens by luck, and one
-  lucky probe used to re-enable speculation that then lost for several steps;
+  realized acceptance is the best estimate of the selected nodes' value, at T=0 and T>0);
 - seconds of a speculative step and of a plain step: with `measured=True` (the goodput
   guard) the wall time of this request's own steps (a profile's plain-step time is not
   trusted: it is measured, first after one speculative step, then again every
@@ -206,9 +203,8 @@ class GuardState:
         steps = math.ceil(round(loss / (budget * plain), 9))  # (rounding: 100.000...01 is 100)
         return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
 
-    def observe(self, speculated: bool, committed_tokens: float, seconds: float, verified_tokens: int = 0) -> None:
-        """Record a finished step: its committed tokens (at T > 0 their expectation) and wall time
-        (verified_tokens: for profiled costs)."""
+    def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
+        """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs)."""
         w, mem = self.config.weight, self.memory
         if self.probing:
             w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
