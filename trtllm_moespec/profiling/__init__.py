@@ -89,9 +89,9 @@ def profile_model(model: str = DEFAULT_MODEL, draft_model: str | None = None, tr
         raise ValueError(f"--repeats must be >= 3 for a median and a spread, got {repeats}")
     from ..resolve import default_tree, resolve_model
 
-    tree = tree or default_tree(None, resolve_model(model, draft_model))  # re-profiling keeps the model's tree
-
-    path = output_path(resolve_model(model, draft_model).cost_profile, out)
+    paths = resolve_model(model, draft_model)
+    tree = tree or default_tree(None, paths)  # re-profiling keeps the model's tree
+    path = output_path(paths.cost_profile, out)
     check_writable(path, "--out" if out is not None else "the cost profile path")  # before minutes of measuring
     llm = LLM(model=model, draft_model=draft_model, policy="eagle3", tree=tree, device=device, dtype=dtype,
               policy_options={"budget": tree.max_draft_tokens}, threads=None, ep=ep)  # --threads already applied
