@@ -250,10 +250,17 @@ class TreeBuffer:
         B, topk = token_ids.shape
         n, m = self._take(topk)
         probs = probs.float()
+        log = probs.clamp(max=1.0).log()
+        if self._host is not None:  # numpy views: ~1 us per write instead of ~10
+            h = self._host
+            h.token_ids[:, n:m], h.depth[:, n:m], h.valid[:, n:m] = token_ids.numpy(), 1, True
+            h.draft_probs[:, n:m], h.log_scores[:, n:m] = probs.numpy(), log.numpy()
+            self.num_nodes = m
+            return torch.from_numpy(np.tile(np.arange(topk), (B, 1)))
         self.token_ids[:, n:m] = token_ids
         self.depth[:, n:m] = 1
         self.draft_probs[:, n:m] = probs
-        self.log_scores[:, n:m] = probs.clamp(max=1.0).log()
+        self.log_scores[:, n:m] = log
         self.valid[:, n:m] = True
         self.num_nodes = m
         return torch.arange(topk, device=token_ids.device).expand(B, topk).clone()
@@ -331,7 +338,7 @@ def _next_frontier_host(flat_log: np.ndarray, offset: int, topk: int) -> np.ndar
     B, M = flat_log.shape
     k = min(topk, M)
     top_pos = np.argsort(-flat_log, axis=1, kind="stable")[:, :k]
-    top_log = np.take_along_axis(flat_log, top_pos, axis=1)
+    top_log = flat_log[np.arange(B)[:, None], top_pos]
     frontier = np.where(top_log > _NEG_INF, top_pos + offset, -1).astype(np.int64)
     if k < topk:
         frontier = np.concatenate([frontier, np.full((B, topk - k), -1, dtype=np.int64)], axis=1)

@@ -179,7 +179,10 @@ class _TreeDraft:
         probs = self._alive_only(probs)
         self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
         self.node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
-        self.node_hidden[0, :topk] = cache.last_hidden[0]
+        # CPU float32: the per-step copies go through a numpy view (one ~2 us op instead of ~30 us)
+        host = self.node_hidden.device.type == "cpu" and self.node_hidden.dtype == torch.float32
+        self._hidden_np = self.node_hidden.numpy()[0] if host else None
+        self._write_hidden(0, cache.last_hidden[0][None])
         self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
         self.num_slots = self.num_forwards = 0
         # [steps - 1, topk] view: row `step` holds position S + step (one op for the whole draft)
@@ -236,8 +239,16 @@ class _TreeDraft:
         self.num_forwards += 1
         self.frontier = self.nodes.grow(self.f[None], ids, self._alive_only(probs), self.topk, dense=not self.padded)
         self.masks.add_children(n, F_, self.topk, self.num_slots)
-        self.node_hidden[0, n:n + F_ * self.topk].view(F_, self.topk, -1).copy_(hidden[0, :, None])
+        self._write_hidden(n, hidden[0])
         self.num_slots += F_
+
+    def _write_hidden(self, first: int, hidden: torch.Tensor) -> None:
+        """Nodes first.. are the `topk` children of each of hidden's rows [F, H], in order: each gets its row."""
+        F_, k = hidden.shape[0], self.topk
+        if self._hidden_np is not None:
+            self._hidden_np[first:first + F_ * k].reshape(F_, k, -1)[:] = hidden.numpy()[:, None]
+        else:
+            self.node_hidden[0, first:first + F_ * k].view(F_, k, -1).copy_(hidden[:, None])
 
     def result(self) -> Eagle3Draft:
         return Eagle3Draft(tree=self.nodes.tree(), node_hidden=self.node_hidden[:, :self.nodes.num_nodes],
