@@ -101,6 +101,18 @@ def test_the_probe_budget_relaxes_while_probes_win_and_tightens_while_they_lose(
         GuardConfig(winning_probe_overhead=1.5)
 
 
+def test_at_t_above_0_the_probe_budget_does_not_relax():
+    """A sampled probe's win is mostly one lucky draw (a step commits 1..D+1 tokens at random), so at T > 0
+    probes get the fixed `probe_overhead` budget, not the greedy one that relaxes with the win rate."""
+    guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.01, winning_probe_overhead=0.1,
+                              min_spec_steps=1))
+    for greedy, interval in ((True, 40), (False, 200)):  # 2 plain steps of loss: a 5% (even odds) or 1% budget
+        s = guard.start(greedy)
+        _feed(s, True, 3, 0.050)
+        _feed(s, False, 1, 0.010)
+        assert s.probe_interval() == interval
+
+
 def test_one_unlucky_speculative_step_is_no_verdict():
     """The guard decides only after the engine has measured `min_spec_steps` speculative steps (over
     requests): one step that commits a single token in warm-up time must not send speculation away for

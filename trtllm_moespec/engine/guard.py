@@ -20,12 +20,16 @@ speculative step every `probe_every` plain steps; a probe that still loses doubl
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
 become predictable. The interval is never shorter than what keeps a losing probe's extra
 time (its seconds beyond decoding the tokens it commits plainly) within a budget share
-of the plain decoding time between probes: `probe_overhead` (1%), or, when larger,
-`winning_probe_overhead` (10%) times the engine's running probe win rate (starting at
-even odds). Where a speculative step costs five plain ones and commits three tokens, a
-probe waits ~40 plain steps while half the probes win and ~200 once they keep losing,
-so where speculation never pays the guard's product is at most ~1% slower than plain
-decoding, and where it often pays again a losing verdict is retried soon. Estimates
+of the plain decoding time between probes: `probe_overhead` (0.5%), or, for greedy requests
+and when larger, `winning_probe_overhead` (10%) times the engine's running probe win rate
+(starting at even odds). Where a speculative step costs five plain ones and commits three
+tokens, a greedy probe waits ~40 plain steps while half the probes win and ~400 once they
+keep losing, so where speculation never pays the guard's product is at most ~0.5% slower
+than plain decoding, and where it often pays again a losing verdict is retried soon. At
+T > 0 a probe's win is mostly one lucky draw (a sampled step commits 1..D+1 tokens at
+random, and the speculation it re-enables then loses again), so sampled requests keep the
+fixed budget (on moespec-base this cut T=1's speculative steps, all losing, from 114 to 47 in
+~5650 and left T=0 as it was: docs/guard.md). Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
 request starts from what the last ones measured, and short requests do not each restart
@@ -77,10 +81,11 @@ class GuardConfig:
     # steps commit 1..D+1 tokens, so a short run of unlucky ones must not send a request that speculation
     # serves well to plain decoding until a probe brings it back.
     hold: float = 0.15
-    probe_overhead: float = 0.01  # a losing probe may cost at most this share of the plain time between probes
-    # ... or this share times the engine's probe win rate, when larger: where probes often find the text
-    # predictable again (greedy decoding that settles into a pattern) one is worth more than where they
-    # never do (sampling at T=1), so the bound relaxes to what probes have earned (0: the fixed bound only).
+    probe_overhead: float = 0.005  # a losing probe may cost at most this share of the plain time between probes
+    # ... or, for greedy requests, this share times the engine's probe win rate, when larger: where probes often
+    # find the text predictable again (greedy decoding that settles into a pattern) one is worth more than where
+    # they never do, so the bound relaxes to what probes have earned (0: the fixed bound only). Sampled
+    # requests keep the fixed bound: there a probe that wins has mostly drawn lucky.
     winning_probe_overhead: float = 0.1
     # Speculative steps an engine measures (per kind of sampling) before the guard may find that speculation
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
@@ -147,14 +152,15 @@ class Guard:
         self.memories: dict[bool, GuardMemory] = {}  # keyed by greedy (T = 0) or not
 
     def start(self, greedy: bool = True) -> "GuardState":
-        return GuardState(self, self.memories.setdefault(bool(greedy), GuardMemory()))
+        return GuardState(self, self.memories.setdefault(bool(greedy), GuardMemory()), greedy)
 
 
 class GuardState:
     """One request's speculate-or-not decisions."""
 
-    def __init__(self, guard: Guard, memory: GuardMemory):
+    def __init__(self, guard: Guard, memory: GuardMemory, greedy: bool = True):
         self.guard, self.config, self.memory, m = guard, guard.config, memory, memory
+        self.greedy = greedy
         # Start from the engine's memory, weighted as one observation: this request's own steps dominate soon.
         self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
         self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
@@ -199,7 +205,9 @@ class GuardState:
         plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
         if not (plain > 0 and loss > 0):
             return self.probe_every
-        budget = max(self.config.probe_overhead, self.config.winning_probe_overhead * self.memory.probe_win_rate)
+        budget = self.config.probe_overhead
+        if self.greedy:  # at T > 0 a probe's win is mostly one lucky draw: no relaxation for it
+            budget = max(budget, self.config.winning_probe_overhead * self.memory.probe_win_rate)
         steps = math.ceil(round(loss / (budget * plain), 9))  # (rounding: 100.000...01 is 100)
         return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
 
