@@ -28,8 +28,8 @@ keep losing, so where speculation never pays the guard's product is at most ~0.5
 than plain decoding, and where it often pays again a losing verdict is retried soon. At
 T > 0 a probe's win is mostly one lucky draw (a sampled step commits 1..D+1 tokens at
 random, and the speculation it re-enables then loses again), so sampled requests keep the
-fixed budget (on moespec-base this cut T=1's speculative steps, all losing, from 114 to 47 in
-~5650 and left T=0 as it was: docs/guard.md). Estimates
+fixed budget (on moespec-base this cut T=1's speculative steps, which lose there, from 114 to 47
+in ~5650 and left T=0's speed within noise: docs/guard.md). Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
 request starts from what the last ones measured, and short requests do not each restart

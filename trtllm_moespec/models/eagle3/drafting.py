@@ -179,7 +179,7 @@ class _TreeDraft:
         probs = self._alive_only(probs)
         self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
         self.node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
-        # CPU float32: the per-step copies go through a numpy view (one ~2 us op instead of ~30 us)
+        # CPU float32: the per-step copies go through a numpy view (~5 us a step instead of ~13)
         host = self.node_hidden.device.type == "cpu" and self.node_hidden.dtype == torch.float32
         self._hidden_np = self.node_hidden.numpy()[0] if host else None
         self._write_hidden(0, cache.last_hidden[0][None])
