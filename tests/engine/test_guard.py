@@ -220,6 +220,8 @@ class ScriptedGuard:
 
 
 class _Scripted:
+    probing = False  # never a probe: no scout runs
+
     def __init__(self, pattern):
         self.pattern, self.i = pattern, 0
         self.observed: list[tuple[bool, float]] = []  # (speculated, seconds) the guard was told
@@ -229,7 +231,7 @@ class _Scripted:
         self.i += 1
         return d
 
-    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0) -> None:
+    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None) -> None:
         self.observed.append((speculated, seconds))
 
 

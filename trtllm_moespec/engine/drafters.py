@@ -180,14 +180,15 @@ class Eagle3Source:
         for cache, ids, hidden in zip(caches, token_ids, target_hidden):
             self._extend(cache, ids, hidden)
 
-    def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor) -> None:
-        """Append drafter positions through the static runner when the extension fits its buckets."""
+    def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor,
+                top1: bool = False) -> torch.Tensor | None:
+        """Append drafter positions through the static runner when the extension fits its buckets (with
+        `top1`: each new position's most likely next token, as `Eagle3Drafter.extend` gives it)."""
         runner, drafter = self.extend_runner, self.drafter
         token_ids = token_ids.to(drafter.lm_head.weight.device)
         n = token_ids.shape[1]
         if runner is None or n == 0 or n > runner.max_tokens or cache.kv is None:
-            drafter.extend(cache, token_ids, target_hidden)
-            return
+            return drafter.extend(cache, token_ids, target_hidden, top1)
         S, a = cache.num_tokens, drafter.midlayer.self_attn
         kv = cache.reserve(S + runner.bucket(n), a.num_kv_heads, a.head_dim, drafter.lm_head.weight.dtype,
                            drafter.lm_head.weight.device)
@@ -197,10 +198,10 @@ class Eagle3Source:
             # the warm-ups wrote at most these positions' keys, which the eager extension rewrites
             warn_fallback(e.__cause__ or e, "drafter's extension forward")
             self.extend_runner = None
-            drafter.extend(cache, token_ids, target_hidden)
-            return
+            return drafter.extend(cache, token_ids, target_hidden, top1)
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
+        return drafter.top1_target_ids(out.logits[0]) if top1 else None
 
     def defer(self, state: "Eagle3State", result: VerifyResult, root_hidden: torch.Tensor) -> None:
         """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden
@@ -223,6 +224,30 @@ class Eagle3Source:
             s.pending_ids.clear()
             s.pending_hidden.clear()
         self._extend_all([s.cache for s in behind], ids, hidden)
+
+    def first_guess(self, state: "Eagle3State") -> int | None:
+        """The drafter's most likely next token (target id) after its committed positions: the top
+        depth-1 draft of the next tree (unconstrained by the request's grammar). None before the drafter's
+        first forward (a cache that copied a whole prompt from the prefix cache)."""
+        logits = state.cache.last_logits
+        return None if logits is None else int(self.drafter.top1_target_ids(logits)[0])
+
+    def scout(self, state: "Eagle3State") -> list[bool]:
+        """`catch_up` for one request, reading what a depth-1 draft would have done at each plain step it
+        skipped: hits[i] is whether the drafter's first guess equalled the token the target committed
+        there (its guess before the step, then at each caught-up position). A deterministic draft d is
+        accepted with probability p(d) (core/verify.py), and 1[x == d] with x the target's committed token
+        is an unbiased sample of it at any temperature: the shadow of speculating, for no target forward."""
+        if not state.pending_ids:
+            return []
+        before = self.first_guess(state)
+        ids = torch.cat(state.pending_ids)  # [n] the skipped steps' committed tokens
+        hidden = torch.cat(state.pending_hidden)[None]  # [1, n, 3H]
+        state.pending_ids.clear()
+        state.pending_hidden.clear()
+        after = self._extend(state.cache, ids[None], hidden, top1=True).tolist()  # guesses of ids[1:], and the next
+        guesses = ([] if before is None else [before]) + after[:-1]
+        return [g == t for g, t in zip(guesses, ids.tolist()[len(ids) - len(guesses):])]
 
 
 def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
@@ -326,6 +351,22 @@ class RequestDrafter:
     def catch_up(self) -> None:
         """`catch_up_all` for this request alone."""
         catch_up_all([self])
+
+    @property
+    def scouts(self) -> bool:
+        """Can this drafter read its guesses at skipped plain steps (`scout`)? EAGLE-3 can; n-gram lookup
+        and plain decoding cannot."""
+        return hasattr(self.source, "scout")
+
+    def scout(self) -> list[bool]:
+        """Catch up on the skipped plain steps (starting the drafter if need be) and return whether its
+        first guess hit at each (`Eagle3Source.scout`)."""
+        self._start()
+        return self.source.scout(self.state)
+
+    def first_guess(self) -> int | None:
+        """The drafter's top depth-1 guess for the next token (None: a source without one)."""
+        return self.source.first_guess(self.state) if self.scouts and self.state is not None else None
 
     def draft(self, context: list[int], device: torch.device) -> Draft:
         self._start()

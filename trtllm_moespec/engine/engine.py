@@ -181,19 +181,26 @@ class SpecEngine:
               guard: GuardState | None = None) -> bool:
         t_step = time.perf_counter()
         speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
+        t_scout = 0.0
+        if speculate and guard is not None and guard.probing and guard.config.scout and drafter.scouts:
+            t0 = time.perf_counter()
+            hits = drafter.scout()  # the catch-up, reading the drafter's guesses at the skipped steps
+            t_scout = time.perf_counter() - t0
+            speculate = guard.scout(hits, t_scout)
         if not (speculate and self.policy.drafts):
-            return self._plain_step(request, cache, drafter, guard, speculate, t_step)
+            return self._plain_step(request, cache, drafter, guard, speculate, t_step, t_scout)
         context = request.prompt_ids + request.output_ids
         root = context[-1]
         device = self.target.device
 
         t0 = time.perf_counter()
         drafter.catch_up()  # after plain steps: the switch's price, kept out of the guard's view of this step
-        t_switch = time.perf_counter() - t0
+        first_guess = drafter.first_guess() if guard is not None else None  # for the guard's scouts
+        t_switch = time.perf_counter() - t0 + t_scout
         draft = drafter.draft(context, device)
         # deeper nodes could never be emitted
         tree = self.candidates(limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1))
-        t_draft = time.perf_counter() - t0
+        t_draft = time.perf_counter() - t0 + t_scout
 
         t0 = time.perf_counter()
         experts, root_bits = self._predict(context, tree, draft, cache)
@@ -235,15 +242,19 @@ class SpecEngine:
         t_draft += time.perf_counter() - t0
 
         done = self._append(request, emitted, out.logits[0], result)
-        self._record(request, guard, True, emitted, observed, t_step, t_switch=t_switch, draft_ms=t_draft * 1e3,
+        first_hit = None if first_guess is None else emitted[0] == first_guess
+        self._record(request, guard, True, emitted, observed, t_step, t_switch=t_switch, first_hit=first_hit,
+                     draft_ms=t_draft * 1e3,
                      predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, verify_ms=t_verify * 1e3,
                      target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
         return done
 
     def _plain_step(self, request: Request, cache, drafter: "RequestDrafter", guard: GuardState | None,
-                    speculated: bool, t_step: float) -> bool:
+                    speculated: bool, t_step: float, t_scout: float = 0.0) -> bool:
         """Verify the root alone (policy "ar", or a step the guard decodes plainly): the forward and
-        sampling rule of a tree step with no nodes, without drafting, selection or tree bookkeeping."""
+        sampling rule of a tree step with no nodes, without drafting, selection or tree bookkeeping.
+        t_scout: seconds of a scout that stopped this step's probe (drafting, left out of the guard's
+        plain-step time)."""
         root = request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
         layout = root_layout(token_tensor(root, self.target.device))
         t0 = time.perf_counter()
@@ -259,9 +270,9 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0
         emitted = result.emitted_ids[0].tolist()
         done = self._append(request, emitted, out.logits[0])
-        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, draft_ms=t_draft * 1e3,
-                     predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3, target_ms=t_target * 1e3,
-                     commit_ms=t_commit * 1e3)
+        self._record(request, guard, speculated, emitted, self._observed(layout, out), t_step, t_switch=t_scout,
+                     draft_ms=(t_draft + t_scout) * 1e3, predictor_ms=0.0, select_ms=0.0, verify_ms=t_verify * 1e3,
+                     target_ms=t_target * 1e3, commit_ms=t_commit * 1e3, scouted=t_scout > 0)
         return done
 
     def _observed(self, layout: TreeLayout, out: TargetOutput) -> dict:
@@ -271,16 +282,18 @@ class SpecEngine:
                     **_per_rank_stats(out, self.placement))
 
     def _record(self, request: Request, guard: GuardState | None, speculated: bool, emitted: list[int],
-                observed: dict, t_step: float, t_switch: float = 0.0, **times) -> None:
+                observed: dict, t_step: float, t_switch: float = 0.0, first_hit: bool | None = None,
+                **times) -> None:
         """The step's StepStats (`observed`: from `_observed`), and its outcome and wall time for the guard:
-        less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`)."""
+        less `t_switch`, the drafter's catch-up on the plain steps before it (see `catch_up_all`), and
+        `first_hit` (see `GuardState.observe`)."""
         request.steps.append(StepStats(
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             step_ms=(time.perf_counter() - t_step) * 1e3, speculated=speculated, **observed, **times,
         ))
         if guard is not None:
             seconds = request.steps[-1].step_ms / 1e3 - t_switch
-            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"])
+            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"], first_hit)
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth

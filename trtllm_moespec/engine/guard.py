@@ -49,6 +49,7 @@ current step's random numbers; a plain step is verified by the same rule as `ar`
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..core.drafting import speculation_pays
@@ -62,8 +63,14 @@ TIME_CLIP = 3.0
 # load) that would make speculation pay is noticed within this many plain steps.
 MAX_PROBE_WAIT = 1024
 
-# Weight of the newest probe in the engine's running probe win rate.
+# Weight of the newest probe in the engine's running probe win rate (and of the newest scout in its pass rate).
 PROBE_WIN_WEIGHT = 0.25
+
+# A scout judges on the drafter's latest first guesses (at speculative steps and at the plain steps it caught
+# up on): this many at most, the text's recent predictability. With fewer than SCOUT_MIN it cannot judge and
+# the probe goes on.
+SCOUT_WINDOW = 64
+SCOUT_MIN = 8
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,10 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
+    # Scout before each probe (drafters that can: EAGLE-3): the drafter's catch-up over the skipped plain
+    # steps reads its first guess at each, and the probe's speculative step runs only where the tokens that
+    # hit rate predicts would pay (`GuardState.scout`). A probe that the scout stops costs a drafter forward.
+    scout: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
@@ -138,6 +149,12 @@ class GuardMemory:
     probe_every: int | None = None
     since_spec: int = 0  # plain steps since the last speculative one, over requests (the probe countdown)
     probe_win_rate: float = 0.5  # running share of probes that re-enabled speculation (prior: even odds)
+    # Committed tokens per speculative step when the drafter's first guess was the step's first committed
+    # token, and when it was not: what a scout's hit rate is turned into.
+    tokens_hit: Ewma = field(default_factory=Ewma)
+    tokens_miss: Ewma = field(default_factory=Ewma)
+    scout_s: Ewma = field(default_factory=Ewma)  # seconds per scout (its drafter catch-up)
+    scout_pass_rate: float = 0.5  # running share of scouts that let their probe run (prior: even odds)
 
 
 class Guard:
@@ -172,7 +189,10 @@ class GuardState:
         self.probing = False  # the pending speculative step is a probe
         self.num_plain = 0
         self.num_probes = 0
+        self.num_scouts = 0  # scouts run, and those that stopped their probe
+        self.num_scouts_stopped = 0
         self.declined = False  # the last verdict was that speculation loses (the hold no longer applies)
+        self.first_hits: deque[bool] = deque(maxlen=SCOUT_WINDOW)  # this request's latest first-guess hits
 
     def pays(self) -> bool | None:
         """Does speculation beat plain decoding on the current estimates? None while unknown (the plain
@@ -205,14 +225,56 @@ class GuardState:
         plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
         if not (plain > 0 and loss > 0):
             return self.probe_every
+        m = self.memory
+        if self.config.scout and m.scout_s.known:  # a probe is a scout, and a speculative step when it passes
+            loss = m.scout_s.value + m.scout_pass_rate * loss
         budget = self.config.probe_overhead
         if self.greedy:  # at T > 0 a probe's win is mostly one lucky draw: no relaxation for it
             budget = max(budget, self.config.winning_probe_overhead * self.memory.probe_win_rate)
         steps = math.ceil(round(loss / (budget * plain), 9))  # (rounding: 100.000...01 is 100)
         return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
 
-    def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0) -> None:
-        """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs)."""
+    def scout(self, first_hits: list[bool], seconds: float) -> bool:
+        """A probe's first stage: `first_hits`, whether the drafter's first guess hit at each plain step it
+        just caught up on (`Eagle3Source.scout`), joins the request's latest ones, and their hit rate h
+        predicts a speculative step's tokens, h x tokens_hit + (1 - h) x tokens_miss (the engine's means
+        over speculative steps whose first guess hit and missed). True: that pays, or cannot be judged yet
+        (too few guesses, or no speculative step of either kind measured), and the probe's speculative
+        step runs. False: the probe is over, judged lost at the price of the scout's `seconds`."""
+        self.first_hits.extend(first_hits)
+        m, self.num_scouts = self.memory, self.num_scouts + 1
+        m.scout_s.update(seconds, self.config.weight, TIME_CLIP)
+        expected = self.expected_tokens()
+        passes = expected is None or speculation_pays(expected, self.spec_s.value, self.plain_s.value,
+                                                      self.config.margin)
+        m.scout_pass_rate += PROBE_WIN_WEIGHT * (float(passes) - m.scout_pass_rate)
+        if not passes:
+            self.num_scouts_stopped += 1
+            self.probing = False
+            self._judge_probe(won=False)
+            m.since_spec = 0  # the countdown restarts as after a speculative probe
+        return passes
+
+    def expected_tokens(self) -> float | None:
+        """Tokens a speculative step would commit now, from the request's latest first-guess hit rate
+        (None: fewer than SCOUT_MIN guesses, or no speculative step measured with a hit or with a miss)."""
+        m = self.memory
+        if len(self.first_hits) < SCOUT_MIN or not (m.tokens_hit.known and m.tokens_miss.known):
+            return None
+        h = sum(self.first_hits) / len(self.first_hits)
+        return h * m.tokens_hit.value + (1.0 - h) * m.tokens_miss.value
+
+    def _judge_probe(self, won: bool) -> None:
+        """A probe's verdict: the engine's win rate, and the probe interval (reset on a win, doubled on a loss)."""
+        mem = self.memory
+        mem.probe_win_rate += PROBE_WIN_WEIGHT * (float(won) - mem.probe_win_rate)
+        self.probe_every = self.config.probe_every if won else min(2 * self.probe_every, self.config.max_probe_every)
+        mem.probe_every = self.probe_every
+
+    def observe(self, speculated: bool, committed_tokens: int, seconds: float, verified_tokens: int = 0,
+                first_hit: bool | None = None) -> None:
+        """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs;
+        first_hit, for a speculative step: was the drafter's first guess its first committed token?)."""
         w, mem = self.config.weight, self.memory
         if self.probing:
             w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
@@ -222,13 +284,12 @@ class GuardState:
             self.spec_s.update(cost, w, TIME_CLIP)
             mem.spec_tokens.update(committed_tokens, w)
             mem.spec_s.update(cost, w, TIME_CLIP)
+            if first_hit is not None:
+                self.first_hits.append(first_hit)
+                (mem.tokens_hit if first_hit else mem.tokens_miss).update(committed_tokens, self.config.weight)
             if self.probing:
                 self.num_probes += 1
-                won = bool(self.pays())
-                mem.probe_win_rate += PROBE_WIN_WEIGHT * (float(won) - mem.probe_win_rate)
-                self.probe_every = self.config.probe_every if won else min(2 * self.probe_every,
-                                                                           self.config.max_probe_every)
-                mem.probe_every = self.probe_every
+                self._judge_probe(won=bool(self.pays()))
             mem.since_spec = 0
             self.since_plain += 1
         else:

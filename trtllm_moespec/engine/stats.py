@@ -25,6 +25,7 @@ class StepStats:
     predictor_hits: int = 0  # predicted (layer, expert) pairs that the target really used, accepted nodes
     predictor_total: int = 0  # predicted pairs checked
     speculated: bool = True  # False: a plain step chosen by the speculate-or-not rule (nothing drafted)
+    scouted: bool = False  # a plain step whose probe the guard's scout stopped (its drafter catch-up ran)
     unique_experts_per_rank: tuple[float, ...] = ()  # EP: distinct experts per rank, mean over MoE layers
     busiest_rank_experts_per_layer: float | None = None  # EP: U_max / L, each layer's busiest rank, mean over layers
 
