@@ -39,7 +39,9 @@ def guard_variant(label: str) -> dict[str, float]:
         key, _, value = item.partition("=")
         if key not in known or not value:
             raise ValueError(f"variant {label!r}: {item!r} is not field=value of GuardConfig ({', '.join(known)})")
-        overrides[key] = int(value) if known[key] in ("int", int) else float(value)
+        kind = known[key]
+        overrides[key] = (int(value) if kind in ("int", int) else bool(int(value)) if kind in ("bool", bool)
+                          else float(value))
     return overrides
 
 

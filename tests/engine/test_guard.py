@@ -220,7 +220,7 @@ class ScriptedGuard:
 
 
 class _Scripted:
-    probing = False  # never a probe: no scout runs
+    probing = scouts = False  # never a probe, and no scout
 
     def __init__(self, pattern):
         self.pattern, self.i = pattern, 0

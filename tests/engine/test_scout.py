@@ -18,7 +18,7 @@ def _declined(config: GuardConfig = GuardConfig(probe_every=2, max_probe_every=8
     """A request whose speculative steps commit 4 tokens when the first guess hits and 1 when it misses, at
     3 plain steps' cost each (break-even: 3 tokens, a hit rate of 2/3), after mostly misses: speculation
     loses, so the guard decodes plainly and probes."""
-    s = Guard(config).start()
+    s = Guard(config).start(greedy=False)
     s.observe(True, 4, 0.030, first_hit=True)
     for _ in range(3):
         s.observe(True, 1, 0.030, first_hit=False)
@@ -35,6 +35,7 @@ def _until_probe(s) -> None:
 
 def test_a_scout_stops_a_probe_where_the_first_guesses_predict_a_loss():
     s = _declined()
+    assert s.scouts
     _until_probe(s)
     assert not s.scout([False] * 10, seconds=0.001)  # 1 hit in 14: ~1.2 tokens expected, 3 needed
     assert s.expected_tokens() == 1 / 14 * 4 + 13 / 14 * 1
@@ -71,17 +72,18 @@ def test_cheap_scouts_probe_more_often_than_speculative_probes():
     assert s.probe_interval() == round(loss / (0.01 * s.plain_s.value) + 0.5) < before
     unscouted = _declined(GuardConfig(**{**config.__dict__, "scout": False}))
     assert unscouted.probe_interval() == before
+    assert not Guard(config).start(greedy=True).scouts  # greedy requests never scout (GuardConfig.scout)
 
 
 class _ScoutScript:
     """A guard state on a fixed script: "S" speculate, "P" plain, "Y" / "N" a probe whose scout lets it run
     or stops it. Records what the engine tells it."""
 
-    config = GuardConfig()
+    scouts = True
 
     def __init__(self, script: str):
         self.script, self.i, self.probing = script, 0, False
-        self.scouts: list[tuple[list[bool], float]] = []
+        self.scout_calls: list[tuple[list[bool], float]] = []
         self.observed: list[tuple[bool, float, bool | None]] = []  # (speculated, seconds, first_hit)
 
     def speculate(self) -> bool:
@@ -91,7 +93,7 @@ class _ScoutScript:
         return self.step != "P"
 
     def scout(self, hits: list[bool], seconds: float) -> bool:
-        self.scouts.append((hits, seconds))
+        self.scout_calls.append((hits, seconds))
         return self.step == "Y"
 
     def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None) -> None:
@@ -124,7 +126,7 @@ def test_scout_hits_are_the_drafters_guesses_at_the_skipped_steps_and_the_output
     def hits(steps):  # the steps' committed tokens (one each: plain steps) against the drafter's guess
         return [guesses[first[i] - 2] == seq[first[i]] for i in steps]
 
-    (hits_n, seconds_n), (hits_y, seconds_y) = state.scouts
+    (hits_n, seconds_n), (hits_y, seconds_y) = state.scout_calls
     assert hits_n == hits(range(1, 7)) and hits_y == hits(range(7, 10))  # the stopped probe's step is skipped too
     assert any(hits_n + hits_y) and seconds_n >= 0.2 and seconds_y >= 0.2
     flags = [(s.speculated, s.scouted) for s in out.steps[:12]]

@@ -182,7 +182,7 @@ class SpecEngine:
         t_step = time.perf_counter()
         speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
         t_scout = 0.0
-        if speculate and guard is not None and guard.probing and guard.config.scout and drafter.scouts:
+        if speculate and guard is not None and guard.probing and guard.scouts and drafter.scouts:
             t0 = time.perf_counter()
             hits = drafter.scout()  # the catch-up, reading the drafter's guesses at the skipped steps
             t_scout = time.perf_counter() - t0
@@ -195,7 +195,7 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         drafter.catch_up()  # after plain steps: the switch's price, kept out of the guard's view of this step
-        first_guess = drafter.first_guess() if guard is not None else None  # for the guard's scouts
+        first_guess = drafter.first_guess() if guard is not None and guard.scouts else None  # for its scouts
         t_switch = time.perf_counter() - t0 + t_scout
         draft = drafter.draft(context, device)
         # deeper nodes could never be emitted

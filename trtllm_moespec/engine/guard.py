@@ -98,9 +98,12 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
-    # Scout before each probe (drafters that can: EAGLE-3): the drafter's catch-up over the skipped plain
-    # steps reads its first guess at each, and the probe's speculative step runs only where the tokens that
-    # hit rate predicts would pay (`GuardState.scout`). A probe that the scout stops costs a drafter forward.
+    # Scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up over
+    # the skipped plain steps reads its first guess at each, and the probe's speculative step runs only where
+    # the tokens that hit rate predicts would pay (`GuardState.scout`). A probe that the scout stops costs a
+    # drafter forward. Greedy requests do not scout: there a step whose first guess misses still commits
+    # ~3.4 tokens on moespec-base (the target's argmax is another depth-1 draft), so the hit rate tells
+    # little, and scouting cut T=0's speculative steps from 68% to 27% (docs/guard.md).
     scout: bool = True
 
     def __post_init__(self) -> None:
@@ -178,6 +181,7 @@ class GuardState:
     def __init__(self, guard: Guard, memory: GuardMemory, greedy: bool = True):
         self.guard, self.config, self.memory, m = guard, guard.config, memory, memory
         self.greedy = greedy
+        self.scouts = self.config.scout and not greedy  # probes start with a scout (see GuardConfig.scout)
         # Start from the engine's memory, weighted as one observation: this request's own steps dominate soon.
         self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
         self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
@@ -226,7 +230,7 @@ class GuardState:
         if not (plain > 0 and loss > 0):
             return self.probe_every
         m = self.memory
-        if self.config.scout and m.scout_s.known:  # a probe is a scout, and a speculative step when it passes
+        if self.scouts and m.scout_s.known:  # a probe is a scout, and a speculative step when it passes
             loss = m.scout_s.value + m.scout_pass_rate * loss
         budget = self.config.probe_overhead
         if self.greedy:  # at T > 0 a probe's win is mostly one lucky draw: no relaxation for it
