@@ -33,6 +33,8 @@ PLAIN = -1  # the k of a plain step (no drafting) in the interleaved rounds
 class ForcedGuard:
     """The engine's speculate-or-not hook, forced: plain exactly when the forced k is PLAIN."""
 
+    probing = scouts = False  # no probes, so no scouts
+
     def __init__(self, policy: "ForcedBudget"):
         self.policy = policy
 
