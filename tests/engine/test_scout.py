@@ -4,6 +4,7 @@ speculative step runs only where the hit rate predicts that speculating pays."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -14,7 +15,7 @@ from trtllm_moespec.engine.guard import SCOUT_MIN, Guard, GuardConfig
 
 
 def _declined(config: GuardConfig = GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=1.0,
-                                                 min_spec_steps=1)):
+                                                 min_spec_steps=1, scout=True)):
     """A request whose speculative steps commit 4 tokens when the first guess hits and 1 when it misses, at
     3 plain steps' cost each (break-even: 3 tokens, a hit rate of 2/3), after mostly misses: speculation
     loses, so the guard decodes plainly and probes."""
@@ -61,7 +62,7 @@ def test_cheap_scouts_probe_more_often_than_speculative_probes():
     """A probe's price is its scout's, plus a losing speculative step as often as scouts let one run, so
     the overhead budget allows more of them."""
     config = GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.01, winning_probe_overhead=0.0,
-                         min_spec_steps=1)
+                         min_spec_steps=1, scout=True)
     s = _declined(config)
     before = s.probe_interval()  # a losing speculative probe: 0.030 - 2.27 x 0.010 s, ~70 plain steps' 1%
     _until_probe(s)
@@ -69,10 +70,11 @@ def test_cheap_scouts_probe_more_often_than_speculative_probes():
     rate = s.memory.scout_pass_rate
     assert rate == 0.375
     loss = 0.001 + rate * (s.spec_s.value - s.spec_tokens.value * s.plain_s.value)
-    assert s.probe_interval() == round(loss / (0.01 * s.plain_s.value) + 0.5) < before
+    assert s.probe_interval() == math.ceil(loss / (0.01 * s.plain_s.value)) < before
     unscouted = _declined(GuardConfig(**{**config.__dict__, "scout": False}))
     assert unscouted.probe_interval() == before
     assert not Guard(config).start(greedy=True).scouts  # greedy requests never scout (GuardConfig.scout)
+    assert not Guard().start(greedy=False).scouts  # opt-in
 
 
 class _ScoutScript:

@@ -35,6 +35,21 @@ and the probe countdown carry over from one request to the next through the engi
 request starts from what the last ones measured, and short requests do not each restart
 the countdown.
 
+Opt-in (`GuardConfig(scout=True)`), a sampled request's probe starts with a scout (`GuardState.scout`): the
+drafter's catch-up over the skipped plain steps, which the probe needs anyway, also yields its first guess
+at each of them, and a deterministic draft d is accepted with probability p(d), of which 1[committed token
+== d] is an unbiased sample at any temperature. The hit rate h of the request's latest 64 guesses predicts
+a speculative step's tokens as h x tokens_hit + (1 - h) x tokens_miss (the engine's means over speculative
+steps whose first guess hit or missed: ~2.3 and 1.0 at T=1 on moespec-base), and the probe's speculative
+step runs only where that pays; a stopped probe costs the catch-up forward alone and counts as a lost one.
+It is off by default because side by side it did not make T=1 faster: on moespec-base (joint, 8 prompts x 3
+data sets, interleaved) it cut the speculative steps, all losing, from 80 to 13 and from 44 to 36 of ~5650-8580
+in two runs, at 0.99x and 0.98x the speed without it (within those cells' noise, but on the same side twice):
+where the guard's probes already cost under ~1% of the time, a scout (~8-11 ms, a request's first including
+the drafter's prompt prefill) saves about what it costs. Greedy requests never scout: there a step whose first
+guess misses still commits ~3.4 tokens (the argmax is another depth-1 draft), and scouting cut T=0's
+speculative steps from 68% to 27%.
+
 `hold` (0.15) adds hysteresis: a request that is speculating goes on until speculation loses by more
 than that fraction, one decoding plainly resumes only where speculation wins. Measured with
 `python -m benchmarks.guard_trace --policy joint --variants "default,guard:hold=0.15,off"` (moespec-base,
@@ -98,13 +113,13 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
-    # Scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up over
-    # the skipped plain steps reads its first guess at each, and the probe's speculative step runs only where
-    # the tokens that hit rate predicts would pay (`GuardState.scout`). A probe that the scout stops costs a
-    # drafter forward. Greedy requests do not scout: there a step whose first guess misses still commits
-    # ~3.4 tokens on moespec-base (the target's argmax is another depth-1 draft), so the hit rate tells
-    # little, and scouting cut T=0's speculative steps from 68% to 27% (docs/guard.md).
-    scout: bool = True
+    # Opt-in: scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up
+    # over the skipped plain steps reads its first guess at each, and the probe's speculative step runs only
+    # where the tokens that hit rate predicts would pay (`GuardState.scout`). A probe the scout stops costs a
+    # drafter forward. Off by default: side by side on moespec-base it cut T=1's losing speculative steps but
+    # not its time (module docstring). Greedy requests never scout: a step whose first guess misses still
+    # commits ~3.4 tokens there (the target's argmax is another depth-1 draft), so the hit rate tells little.
+    scout: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
