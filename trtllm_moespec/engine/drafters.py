@@ -218,12 +218,9 @@ class Eagle3Source:
         behind = [s for s in states if s.pending_ids]
         if not behind:
             return
-        ids = [torch.cat(s.pending_ids)[None] for s in behind]  # [1, n_b]
-        hidden = [torch.cat(s.pending_hidden)[None] for s in behind]  # [1, n_b, 3H]
-        for s in behind:
-            s.pending_ids.clear()
-            s.pending_hidden.clear()
-        self._extend_all([s.cache for s in behind], ids, hidden)
+        pending = [s.take_pending() for s in behind]
+        self._extend_all([s.cache for s in behind], [ids[None] for ids, _ in pending],
+                         [hidden[None] for _, hidden in pending])
 
     def first_guess(self, state: "Eagle3State") -> int | None:
         """The drafter's most likely next token (target id) after its committed positions: the top
@@ -241,11 +238,8 @@ class Eagle3Source:
         if not state.pending_ids:
             return []
         before = self.first_guess(state)
-        ids = torch.cat(state.pending_ids)  # [n] the skipped steps' committed tokens
-        hidden = torch.cat(state.pending_hidden)[None]  # [1, n, 3H]
-        state.pending_ids.clear()
-        state.pending_hidden.clear()
-        after = self._extend(state.cache, ids[None], hidden, top1=True).tolist()  # guesses of ids[1:], and the next
+        ids, hidden = state.take_pending()  # the skipped steps' committed tokens [n] and root hiddens [n, 3H]
+        after = self._extend(state.cache, ids[None], hidden[None], top1=True).tolist()  # guesses of ids[1:], the next
         guesses = ([] if before is None else [before]) + after[:-1]
         return [g == t for g, t in zip(guesses, ids.tolist()[len(ids) - len(guesses):])]
 
@@ -271,6 +265,13 @@ class Eagle3State:
     pending_hidden: list[torch.Tensor] = field(default_factory=list)  # [1, 3H] target capture hidden at its root
     node_values: Callable[[DraftTree], torch.Tensor] | None = None  # the request's node values, for the stop rule
     constraint: Callable[[list[list[int]]], torch.Tensor] | None = None  # its grammar's allowed tokens after paths
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deferred plain steps, emptied: their bonus tokens [n] and root capture hiddens [n, 3H]."""
+        ids, hidden = torch.cat(self.pending_ids), torch.cat(self.pending_hidden)
+        self.pending_ids.clear()
+        self.pending_hidden.clear()
+        return ids, hidden
 
 
 class NgramSource:

@@ -208,8 +208,7 @@ class GuardState:
         self.probing = False  # the pending speculative step is a probe
         self.num_plain = 0
         self.num_probes = 0
-        self.num_scouts = 0  # scouts run, and those that stopped their probe
-        self.num_scouts_stopped = 0
+        self.num_scouts_stopped = 0  # probes that their scout stopped
         self.declined = False  # the last verdict was that speculation loses (the hold no longer applies)
         self.first_hits: deque[bool] = deque(maxlen=SCOUT_WINDOW)  # this request's latest first-guess hits
 
@@ -261,7 +260,7 @@ class GuardState:
         (too few guesses, or no speculative step of either kind measured), and the probe's speculative
         step runs. False: the probe is over, judged lost at the price of the scout's `seconds`."""
         self.first_hits.extend(first_hits)
-        m, self.num_scouts = self.memory, self.num_scouts + 1
+        m = self.memory
         m.scout_s.update(seconds, self.config.weight, TIME_CLIP)
         expected = self.expected_tokens()
         passes = expected is None or speculation_pays(expected, self.spec_s.value, self.plain_s.value,
