@@ -33,7 +33,10 @@ in ~5650 and left T=0's speed within noise: docs/guard.md). Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
 request starts from what the last ones measured, and short requests do not each restart
-the countdown.
+the countdown. Its tokens per speculative step start from the engine's mean over the latest
+`prior_window` (32) speculative steps, not from the estimate the last request ended with: that
+one holds the last request's final steps, and a request ending on text the drafter cannot
+predict sent the next one to plain decoding until a probe won.
 
 Opt-in (`GuardConfig(scout=True)`), a sampled request's probe starts with a scout (`GuardState.scout`): the
 drafter's catch-up over the skipped plain steps, which the probe needs anyway, also yields its first guess
@@ -113,6 +116,13 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
+    # A new request starts from the engine's mean tokens per speculative step over about its latest `prior_window`
+    # speculative steps (any request's), not from the running estimate the last request ended with: a request
+    # that ended on text the drafter cannot predict leaves an estimate of its last few steps, mostly losing
+    # probes, which sent the next request, whatever its text, to plain decoding until a probe won (~50 plain
+    # steps on a HumanEval prompt that then committed 7 tokens a step). 0: the engine's estimate moves with
+    # `weight` like a request's (the rule before).
+    prior_window: int = 32
     # Opt-in: scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up
     # over the skipped plain steps reads its first guess at each, and the probe's speculative step runs only
     # where the tokens that hit rate predicts would pay (`GuardState.scout`). A probe the scout stops costs a
@@ -136,6 +146,8 @@ class GuardConfig:
             raise ValueError(f"winning_probe_overhead must lie in [0, 1], got {self.winning_probe_overhead}")
         if not (isinstance(self.min_spec_steps, int) and self.min_spec_steps >= 1):
             raise ValueError(f"min_spec_steps must be an integer >= 1, got {self.min_spec_steps!r}")
+        if not (isinstance(self.prior_window, int) and self.prior_window >= 0):
+            raise ValueError(f"prior_window must be an integer >= 0, got {self.prior_window!r}")
 
 
 @dataclass
@@ -161,7 +173,7 @@ class Ewma:
 class GuardMemory:
     """What one engine's requests have measured so far (the next request's prior)."""
 
-    spec_tokens: Ewma = field(default_factory=Ewma)  # committed tokens per speculative step
+    spec_tokens: Ewma = field(default_factory=Ewma)  # committed tokens per speculative step (`prior_window`)
     spec_s: Ewma = field(default_factory=Ewma)  # seconds per speculative step
     plain_s: Ewma = field(default_factory=Ewma)  # seconds per plain step
     probe_every: int | None = None
@@ -300,7 +312,7 @@ class GuardState:
             cost = seconds if self.config.measured else self._profiled_spec_s(verified_tokens)
             self.spec_tokens.update(committed_tokens, w)
             self.spec_s.update(cost, w, TIME_CLIP)
-            mem.spec_tokens.update(committed_tokens, w)
+            mem.spec_tokens.update(committed_tokens, self._prior_weight(w))
             mem.spec_s.update(cost, w, TIME_CLIP)
             if first_hit is not None:
                 self.first_hits.append(first_hit)
@@ -318,6 +330,12 @@ class GuardState:
             self.since_plain = 0
             self.num_plain += 1
         self.probing = False
+
+    def _prior_weight(self, weight: float) -> float:
+        """The weight of a speculative step in the engine's estimate: the plain mean of its first
+        `prior_window` steps, then an EWMA over about that many (`weight` when the window is 0)."""
+        window = self.config.prior_window
+        return max(1.0 / (self.memory.spec_tokens.count + 1), 1.0 / window) if window else weight
 
     def _profiled_spec_s(self, verified_tokens: int) -> float:
         table = self.guard.cost_table
