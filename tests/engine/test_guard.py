@@ -142,13 +142,13 @@ def test_one_unlucky_speculative_step_is_no_verdict():
 
 def test_a_new_request_starts_from_the_engines_recent_mean_not_from_how_the_last_request_ended():
     """A request that ended on text the drafter cannot predict (its estimate at 1 token a step) must not send
-    the next one to plain decoding: each request starts from the engine's mean over its latest `prior_window`
+    the next greedy one to plain decoding: each starts from the engine's mean over its latest `prior_window`
     speculative steps (on moespec-base the old rule kept new requests plain for ~50 steps that then
     committed 7 tokens a step). prior_window=0 is that old rule."""
-    def third_request(prior_window: int):
+    def third_request(prior_window: int, greedy: bool = True):
         guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=1.0, min_spec_steps=1, hold=0.0,
                                   prior_window=prior_window))
-        easy = guard.start()
+        easy = guard.start(greedy)
         assert easy.speculate()
         _feed(easy, True, 5, 0.020)  # 250 tok/s against plain's 100
         assert not easy.speculate()  # one plain step, to know its cost
@@ -156,17 +156,20 @@ def test_a_new_request_starts_from_the_engines_recent_mean_not_from_how_the_last
         for _ in range(20):
             assert easy.speculate()
             _feed(easy, True, 5, 0.020)
-        hard = guard.start()
+        hard = guard.start(greedy)
         decisions = []
         for _ in range(30):  # every speculative step commits 1 token: 50 tok/s
             decisions.append(hard.speculate())
             _feed(hard, decisions[-1], 1, 0.020 if decisions[-1] else 0.010)
         assert decisions[0] and not all(decisions) and hard.pays() is False  # it learned that its text loses
-        return guard.start()
+        return guard.start(greedy)
     new = third_request(32)  # the engine's mean over its last 32 speculative steps: ~3.7 tokens
     assert new.spec_tokens.value > 3 and new.pays() and new.speculate()
     old = third_request(0)  # the last request's tail: plain from the start (but for a probe the countdown may owe)
     assert old.spec_tokens.value < 2 and old.pays() is False
+    # Sampled requests keep the old rule: the latest, losing probes' estimate keeps their probes rare.
+    sampled = third_request(32, greedy=False)
+    assert sampled.spec_tokens.value == old.spec_tokens.value and sampled.pays() is False
     with pytest.raises(ValueError, match="prior_window"):
         GuardConfig(prior_window=-1)
 

@@ -33,10 +33,11 @@ in ~5650 and left T=0's speed within noise: docs/guard.md). Estimates
 and the probe countdown carry over from one request to the next through the engine's
 `GuardMemory` (one per kind of sampling: greedy and T > 0 accept differently), so a new
 request starts from what the last ones measured, and short requests do not each restart
-the countdown. Its tokens per speculative step start from the engine's mean over the latest
-`prior_window` (32) speculative steps, not from the estimate the last request ended with: that
-one holds the last request's final steps, and a request ending on text the drafter cannot
-predict sent the next one to plain decoding until a probe won.
+the countdown. A greedy request's tokens per speculative step start from the engine's mean over
+the latest `prior_window` (32) speculative steps, not from the estimate the last request ended
+with: that one holds the last request's final steps, and a request ending on text the drafter
+cannot predict sent the next one to plain decoding until a probe won. Sampled requests keep the
+last estimate, whose bias towards the latest losing probes keeps their probes rare.
 
 Opt-in (`GuardConfig(scout=True)`), a sampled request's probe starts with a scout (`GuardState.scout`): the
 drafter's catch-up over the skipped plain steps, which the probe needs anyway, also yields its first guess
@@ -116,12 +117,14 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
-    # A new request starts from the engine's mean tokens per speculative step over about its latest `prior_window`
-    # speculative steps (any request's), not from the running estimate the last request ended with: a request
-    # that ended on text the drafter cannot predict leaves an estimate of its last few steps, mostly losing
-    # probes, which sent the next request, whatever its text, to plain decoding until a probe won (~50 plain
-    # steps on a HumanEval prompt that then committed 7 tokens a step). 0: the engine's estimate moves with
-    # `weight` like a request's (the rule before).
+    # A new greedy request starts from the engine's mean tokens per speculative step over about its latest
+    # `prior_window` speculative steps (any greedy request's), not from the running estimate the last request ended
+    # with: a request that ended on text the drafter cannot predict leaves an estimate of its last few steps,
+    # mostly losing probes, which sent the next request, whatever its text, to plain decoding until a probe won
+    # (~50 plain steps on a HumanEval prompt that then committed 7 tokens a step). 0: the engine's estimate moves
+    # with `weight` like a request's (the rule before). Sampled requests keep that rule: there the estimate of the
+    # latest, mostly losing probes makes probes rarer, and the window's truer mean (~1.2 tokens against ~1.0 on
+    # moespec-base at T=1) shortened the probe interval: twice the speculative steps, all losing (docs/guard.md).
     prior_window: int = 32
     # Opt-in: scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up
     # over the skipped plain steps reads its first guess at each, and the probe's speculative step runs only
@@ -332,10 +335,12 @@ class GuardState:
         self.probing = False
 
     def _prior_weight(self, weight: float) -> float:
-        """The weight of a speculative step in the engine's estimate: the plain mean of its first
-        `prior_window` steps, then an EWMA over about that many (`weight` when the window is 0)."""
+        """The weight of a speculative step in the engine's estimate: for greedy requests the plain mean of its
+        first `prior_window` steps, then an EWMA over about that many; `weight` when the window is 0 and at T > 0."""
         window = self.config.prior_window
-        return max(1.0 / (self.memory.spec_tokens.count + 1), 1.0 / window) if window else weight
+        if not (window and self.greedy):
+            return weight
+        return max(1.0 / (self.memory.spec_tokens.count + 1), 1.0 / window)
 
     def _profiled_spec_s(self, verified_tokens: int) -> float:
         table = self.guard.cost_table
