@@ -117,14 +117,9 @@ class GuardConfig:
     # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
     # could send a request that speculation serves well to plain decoding for hundreds of steps.
     min_spec_steps: int = 4
-    # A new greedy request starts from the engine's mean tokens per speculative step over about its latest
-    # `prior_window` speculative steps (any greedy request's), not from the running estimate the last request ended
-    # with: a request that ended on text the drafter cannot predict leaves an estimate of its last few steps,
-    # mostly losing probes, which sent the next request, whatever its text, to plain decoding until a probe won
-    # (~50 plain steps on a HumanEval prompt that then committed 7 tokens a step). 0: the engine's estimate moves
-    # with `weight` like a request's (the rule before). Sampled requests keep that rule: there the estimate of the
-    # latest, mostly losing probes makes probes rarer, and the window's truer mean (~1.2 tokens against ~1.0 on
-    # moespec-base at T=1) shortened the probe interval: twice the speculative steps, all losing (docs/guard.md).
+    # Greedy requests start from the engine's mean tokens per speculative step over about its latest `prior_window`
+    # speculative steps, not from the estimate the last request ended with (module docstring; 0: that old rule).
+    # Sampled requests keep the old rule: with the window, T=1 on moespec-base probed twice as often, all losing.
     prior_window: int = 32
     # Opt-in: scout before each probe of a sampled request (drafters that can: EAGLE-3): the drafter's catch-up
     # over the skipped plain steps reads its first guess at each, and the probe's speculative step runs only
@@ -167,6 +162,11 @@ class Ewma:
         self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
         self.count += 1
 
+    def window_weight(self, window: int) -> float:
+        """The weight of the next observation that makes this the plain mean of the first `window`
+        observations, then an EWMA over about that many."""
+        return max(1.0 / (self.count + 1), 1.0 / window)
+
     @property
     def known(self) -> bool:
         return self.count > 0
@@ -176,7 +176,7 @@ class Ewma:
 class GuardMemory:
     """What one engine's requests have measured so far (the next request's prior)."""
 
-    spec_tokens: Ewma = field(default_factory=Ewma)  # committed tokens per speculative step (`prior_window`)
+    spec_tokens: Ewma = field(default_factory=Ewma)  # committed tokens per speculative step (greedy: `prior_window`)
     spec_s: Ewma = field(default_factory=Ewma)  # seconds per speculative step
     plain_s: Ewma = field(default_factory=Ewma)  # seconds per plain step
     probe_every: int | None = None
@@ -315,7 +315,8 @@ class GuardState:
             cost = seconds if self.config.measured else self._profiled_spec_s(verified_tokens)
             self.spec_tokens.update(committed_tokens, w)
             self.spec_s.update(cost, w, TIME_CLIP)
-            mem.spec_tokens.update(committed_tokens, self._prior_weight(w))
+            window = self.config.prior_window if self.greedy else 0
+            mem.spec_tokens.update(committed_tokens, mem.spec_tokens.window_weight(window) if window else w)
             mem.spec_s.update(cost, w, TIME_CLIP)
             if first_hit is not None:
                 self.first_hits.append(first_hit)
@@ -333,14 +334,6 @@ class GuardState:
             self.since_plain = 0
             self.num_plain += 1
         self.probing = False
-
-    def _prior_weight(self, weight: float) -> float:
-        """The weight of a speculative step in the engine's estimate: for greedy requests the plain mean of its
-        first `prior_window` steps, then an EWMA over about that many; `weight` when the window is 0 and at T > 0."""
-        window = self.config.prior_window
-        if not (window and self.greedy):
-            return weight
-        return max(1.0 / (self.memory.spec_tokens.count + 1), 1.0 / window)
 
     def _profiled_spec_s(self, verified_tokens: int) -> float:
         table = self.guard.cost_table
