@@ -7,16 +7,36 @@
 #   bash build_scripts/make_base.sh drafter-early   # meanwhile, on the other core: the drafter against an early
 #                                              # checkpoint of the target (stopped when the target is done)
 #   bash build_scripts/make_base.sh resume      # a later segment on any machine: a new run from the shipped target
+#   bash build_scripts/make_base.sh drafter-resume  # a later drafter segment on any machine, from the shipped drafter;
+#                                              # then `family-drafter` rebuilds what depends on the drafter
 #   bash build_scripts/make_base.sh family      # export the target, then drafter, draft vocabulary, predictor head,
 #                                              # calibrator prior, cost profile and the report
-# Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak).
+# Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
+# DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
 A=trtllm_moespec/assets/moespec-base
 R=runs/base
 mkdir -p runs/logs
-step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family}"
+step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter}"
+
+# What depends on the drafter: its draft vocabulary (the export pruned to 512 tokens), the predictor head on its
+# hidden states and the calibrator prior from replay records of its trees.
+drafter_family() {
+  python -m benchmarks.draft_vocab --model moespec-base --pruned 512 --spec-prompts 1 --prompts 4 --export 512 \
+    --out benchmarks/results/base/draft_vocab_cpu.json 2>&1 | tee runs/logs/base_draft_vocab.log
+  python build_scripts/train_model.py $F predictor-head --minutes "${HEAD_MIN:-4}" --train-windows 128 --threads 1 \
+    2>&1 | tee runs/logs/base_predictor_head.log
+  python build_scripts/train_model.py $F export-predictor-head
+  # calibrator prior: T=0 and T=1 records on prompts 9-32 (T=1: 9-20) of each dataset, after the bench's first 8
+  # (prompts 33-40 check the fit: --skip-prompts 32 --num-prompts 8), with the model's own 6,8,32 tree
+  moespec replay record --model moespec-base --tree 6,8,32 --datasets humaneval,mt_bench,gsm8k \
+    --skip-prompts 8 --num-prompts 24 --max-tokens 64 --no-hidden --out "$R/replay/train_t0.safetensors"
+  moespec replay record --model moespec-base --tree 6,8,32 --datasets humaneval,mt_bench,gsm8k \
+    --skip-prompts 8 --num-prompts 12 --max-tokens 64 --temperature 1 --no-hidden --out "$R/replay/train_t1.safetensors"
+  moespec replay fit-calibrator "$R/replay/train_t0.safetensors" "$R/replay/train_t1.safetensors" --out "$A/values/calibrator.json"
+}
 
 case "$step" in
 tokenizer)
@@ -33,6 +53,14 @@ drafter-early)
   python build_scripts/train_model.py $F export-target --out "$R/target_early"
   python build_scripts/train_model.py $F eagle3 --target "$R/target_early" --minutes 60 --threads 1 2>&1 \
     | tee runs/logs/base_eagle3.log ;;
+drafter-resume)
+  # a fresh machine has no drafter checkpoint: a new run warm-started from the shipped (pruned) drafter
+  python build_scripts/train_model.py $F eagle3 --init-from "$A/eagle3" --minutes "${DRAFTER_MIN:-60}" \
+    --lr "${DRAFTER_LR:-1e-3}" --threads "${THREADS:-1}" --out "$R/eagle3_resume" 2>&1 | tee runs/logs/base_eagle3_resume.log ;;
+family-drafter)
+  # after drafter-resume: the export, its draft vocabulary, the predictor head and the calibrator prior
+  python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_resume"
+  drafter_family ;;
 family)
   RUN="${RUN:-$R/target}"
   python build_scripts/train_model.py $F export-target --run "$RUN"
@@ -40,20 +68,8 @@ family)
   python build_scripts/train_model.py $F eagle3 --resume --extend-minutes "${EAGLE3_MIN:-15}" --extend-lr 1e-3 \
     --threads 2 2>&1 | tee runs/logs/base_eagle3_final.log
   python build_scripts/train_model.py $F export-eagle3
-  python -m benchmarks.draft_vocab --model moespec-base --pruned 512 --spec-prompts 1 --prompts 4 --export 512 \
-    --out benchmarks/results/base/draft_vocab_cpu.json 2>&1 | tee runs/logs/base_draft_vocab.log
-  python build_scripts/train_model.py $F predictor-head --minutes "${HEAD_MIN:-4}" --train-windows 128 --threads 1 \
-    2>&1 | tee runs/logs/base_predictor_head.log
-  python build_scripts/train_model.py $F export-predictor-head
-  # calibrator prior: T=0 and T=1 records on prompts 9-32 (T=1: 9-20) of each dataset, after the bench's first 8
-  # (prompts 33-40 checked the fit: --skip-prompts 32 --num-prompts 8, runs/vals/val_t0.safetensors). Recorded
-  # with the 4,8,32 tree the model had then: its depth-4 maps serve the deeper nodes of today's 6,8,32 tree.
-  moespec replay record --model moespec-base --tree 4,8,32 --datasets humaneval,mt_bench,gsm8k \
-    --skip-prompts 8 --num-prompts 24 --max-tokens 64 --no-hidden --out "$R/replay/train_t0.safetensors"
-  moespec replay record --model moespec-base --tree 4,8,32 --datasets humaneval,mt_bench,gsm8k \
-    --skip-prompts 8 --num-prompts 12 --max-tokens 64 --temperature 1 --no-hidden --out "$R/replay/train_t1.safetensors"
-  moespec replay fit-calibrator "$R/replay/train_t0.safetensors" "$R/replay/train_t1.safetensors" --out "$A/values/calibrator.json"
-  python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 \
+  drafter_family
+  python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 --threads 1 \
     --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
   # the tree the model ships with (its default: LLM, the CLI and the benchmarks draft the tree its profile names):
   # 6,8,32 over EAGLE's 4,8,32, where half of joint's speculative steps accepted the whole depth 4 (runs/tree)

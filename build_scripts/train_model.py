@@ -69,6 +69,7 @@ def cmd_target(args: argparse.Namespace) -> None:
     cfg = TrainConfig(
         minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size, peak_lr=args.lr, seed=args.seed,
         extend_minutes=args.extend_minutes, extend_peak_lr=args.extend_lr, init_from=str(args.init_from or ""),
+        train_layers=_train_layers(args.train_layers),
     )
     if args.extend_minutes > 0 and not args.resume:
         raise SystemExit("--extend-minutes needs --resume")
@@ -77,6 +78,15 @@ def cmd_target(args: argparse.Namespace) -> None:
     shape = replace(FAMILIES[args.family], router_aux_loss_coef=args.aux_coef)
     final = train_target(args.data, args.out, shape, cfg, resume=args.resume)
     print(f"target: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s")
+
+
+def _train_layers(spec: str) -> tuple[int, ...]:
+    from trtllm_moespec.training.target import parse_layers
+
+    try:
+        return parse_layers(spec)
+    except ValueError as e:
+        raise SystemExit(f"--train-layers: {e}") from None
 
 
 def cmd_export_target(args: argparse.Namespace) -> None:
@@ -138,6 +148,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (1 keeps a core free for other work)")
     p.add_argument("--init-from", type=Path, default=None, help="start a new run from an exported target: the same shape (a later segment on a fresh machine) or moespec-tiny's (depth/expert up-scaling)")
     p.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: append a new cosine segment")
+    p.add_argument("--train-layers", default="", help="train only these decoder layers, e.g. 2-5,8-11 (the rest frozen; "
+                   "default: all)")
     p.add_argument("--extend-lr", type=float, default=1e-3, help="starting lr of the appended segment")
     p.set_defaults(fn=cmd_target)
     p = sub.add_parser("export-target", help="write the fp16 target + tokenizer into the package assets")
@@ -166,6 +178,7 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=None, help="limit the held-out 512-token windows (default: all)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per k and offset")
     p.add_argument("--ablation-windows", type=int, default=0, help="256-token held-out windows on which every layer and expert is removed in turn (0 = skip)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 keeps a core free; the C(k) curve is timed at this count)")
     p.set_defaults(fn=cmd_report)
     from trtllm_moespec.training.eagle3_cli import add_subcommands as add_eagle3_subcommands
 

@@ -263,17 +263,22 @@ def test_values_sweep_adds_one_column_per_cost_aware_method():
 
 
 def test_repeats_keep_the_median_run_of_each_prompt_and_method(model, tmp_path, monkeypatch):
-    """--repeats N runs every (prompt, method) N times, interleaved, and reports the run of median
+    """--repeats N runs every (prompt, method) N times, interleaved (every other round reversed), and reports the run of median
     time; the kept steps belong to one run (not a mix)."""
     from trtllm_moespec.bench import runner as bench_runner
 
-    kept = []
+    from trtllm_moespec.bench.methods import MethodRunner
+
+    kept, order = [], []
     original = bench_runner.median_run
     monkeypatch.setattr(bench_runner, "median_run", lambda gens: kept.append(len(gens)) or original(gens))
+    generate = MethodRunner.generate
+    monkeypatch.setattr(MethodRunner, "generate", lambda self, *a: order.append(self.spec.label) or generate(self, *a))
     out = tmp_path / "r.json"
     assert bench_main(model + ["--methods", "ar,eagle3", "--datasets", "humaneval", "--num-prompts", "1",
                                "--max-tokens", "4", "--temperature", "0", "--repeats", "3", "--json", str(out)]) == 0
     assert kept == [3, 3]  # one choice per method, among three runs
+    assert order[-6:] == ["ar", "eagle3", "eagle3", "ar", "ar", "eagle3"]  # every other round reversed
     report = json.loads(out.read_text())
     assert report["config"]["repeats"] == 3 and "--repeats 3" in report["command"]
     eagle = [r for r in report["results"] if r["method"] == "eagle3"][0]

@@ -17,7 +17,7 @@ from trtllm_moespec.models.eagle3 import load_eagle3, write_random_drafter
 from trtllm_moespec.models.target import TargetModel
 from trtllm_moespec.training.features import target_features, ttt_mask, ttt_unroll
 from trtllm_moespec.training.train_eagle3 import (Eagle3TrainConfig, distill_loss, export_eagle3, init_drafter,
-                                                   train_eagle3, trainable_parameters)
+                                                   save_drafter, train_eagle3, trainable_parameters)
 
 VOCAB = 128
 
@@ -172,3 +172,35 @@ def test_shipped_drafter_and_head_predictor_load_on_the_shipped_target() -> None
     cache = drafter.new_cache()
     drafter.prefill(cache, ids, pre.hidden, next_token=int(pre.logits[0, -1].argmax()))
     assert drafter.draft_tree(cache, steps=4, topk=8).tree.num_nodes == 8 + 3 * 64
+
+
+def test_a_new_run_warm_starts_from_an_exported_pruned_drafter(target, target_dir, data_dir, tmp_path) -> None:
+    """A later segment on a fresh machine starts from the shipped (pruned, fp16) drafter: every weight
+    carries over, the kept tokens' lm_head rows land on their target ids, the others keep the target's
+    head, and a drafter of another shape is refused by name."""
+    cfg = Eagle3TrainConfig(minutes=5, seq_len=24, batch_size=2, ttt_steps=2, intermediate_size=64,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, eval_windows=2)
+    source = init_drafter(target, cfg)
+    with torch.no_grad():
+        for p in trainable_parameters(source):
+            p.normal_(std=0.3)
+    keep = torch.tensor([5, 17, 3, 99, 64, 120])  # target ids of a pruned draft vocabulary
+    source.prune_vocab(keep)
+    exported = save_drafter(source, tmp_path / "shipped", dtype=torch.float32)
+    run = tmp_path / "run"
+    _, progress = train_eagle3(target_dir, data_dir, run, replace(cfg, init_from=str(exported)), resume=False,
+                               max_steps=0)
+    assert progress.step == 0 and "warm start from" in (run / "train.log").read_text()
+    state = load_file(str(run / "ckpt" / "model.safetensors"))
+    for name, value in source.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d") and not name.startswith("embed_tokens."):
+            assert torch.equal(state[name], value), name
+    ids = source.draft_vocab_target_ids()
+    assert sorted(ids.tolist()) == sorted(keep.tolist())
+    assert torch.equal(state["lm_head.weight"][ids], source.lm_head.weight)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[keep] = False
+    assert torch.equal(state["lm_head.weight"][others], target.model.get_output_embeddings().weight[others])
+    with pytest.raises(ValueError, match="intermediate_size"):
+        train_eagle3(target_dir, data_dir, tmp_path / "run2",
+                     replace(cfg, intermediate_size=96, init_from=str(exported)), resume=False, max_steps=0)

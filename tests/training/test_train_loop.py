@@ -67,3 +67,34 @@ def test_extended_segment_schedule() -> None:
     extended = Progress(500, 160.0, 0, 100.0, 3.0, segment_start_s=100.0, segment_peak_lr=1e-3)
     assert lr_at(500, 100.0, extended, cfg) == pytest.approx(1e-3)
     assert lr_at(600, 130.0, extended, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+
+
+def test_train_layers_freezes_every_other_weight() -> None:
+    """`train_layers`: one optimizer step moves only the listed decoder layers' weights (block expansion:
+    up-scaled layers trained while the rest of the model holds still), and a layer outside the model is refused."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from trtllm_moespec.training.target import TargetShape, make_config
+    from trtllm_moespec.training.train_target import TrainConfig, freeze_all_but, make_optimizer, train_step
+
+    torch.manual_seed(0)
+    shape = TargetShape(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    model = Qwen3MoeForCausalLM(make_config(shape)).train()
+    cfg = TrainConfig(train_layers=(1,), peak_lr=1e-2)
+    freeze_all_but(model, cfg.train_layers)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_step(model, make_optimizer(model, cfg), torch.randint(0, 64, (2, 17)), cfg.peak_lr, cfg)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.startswith("model.layers.1.") for n in moved)
+    assert any("experts" in n for n in moved) and any("self_attn" in n for n in moved)
+    with pytest.raises(ValueError, match=r"train_layers \[3\]"):
+        freeze_all_but(model, (0, 3))
+
+
+def test_parse_layers() -> None:
+    from trtllm_moespec.training.target import parse_layers
+
+    assert parse_layers("2-5,8,10-11") == (2, 3, 4, 5, 8, 10, 11) and parse_layers("") == ()
+    with pytest.raises(ValueError, match="'x-3'"):
+        parse_layers("1,x-3")

@@ -1,7 +1,8 @@
 """The benchmark loop: warm-up, then methods interleaved per prompt, with the T=0 losslessness check.
 
-For each temperature, dataset and prompt, every method runs once in a fixed order
-(A B C ... A B C ...), so machine drift hits all methods alike. At temperature 0
+For each temperature, dataset and prompt, every method runs once per round, the rounds
+alternating between one order and its reverse (A B C, C B A, A B C, ...), so machine drift
+hits all methods alike and no method always runs right after the same one. At temperature 0
 every method's tokens must equal `ar`'s token for token; a mismatch raises
 `LosslessMismatch` (the caller writes a partial report and exits non-zero).
 At temperature > 0 every method gets the same per-prompt seed.
@@ -82,7 +83,8 @@ def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], tem
               seed: int, state: BenchState, progress=None, repeats: int = 1) -> BenchState:
     """Fill `state` prompt group by prompt group; raises LosslessMismatch, lets KeyboardInterrupt
     through (state then holds the completed groups). With `repeats` > 1 every method runs each
-    prompt that many times, the methods interleaved within each round, and the run of median
+    prompt that many times, the methods interleaved within each round (every other round in reverse
+    order), and the run of median
     wall time is kept (same tokens every time: greedy, or the prompt's fixed seed), so a burst of
     machine noise during one run does not decide a cell."""
     if repeats < 1:
@@ -103,8 +105,10 @@ def run_bench(runners: list[MethodRunner], prompts: dict[str, list[Prompt]], tem
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                         seed=None if temperature == 0 else seed + i)
                 reference, runs = None, {r.spec.label: [] for r in runners}
-                for _ in range(repeats):
-                    for r in runners:
+                for rep in range(repeats):
+                    # every other round in reverse order: a method's place in the round (what ran just
+                    # before it) is no lasting advantage; round 0 runs 'ar' first, for the T=0 reference
+                    for r in runners if rep % 2 == 0 else runners[::-1]:
                         if progress is not None:
                             progress.set_postfix_str(f"T={temperature:g} {ds}#{prompt.prompt_id} {r.spec.label}")
                         gen = r.generate(encoded[ds][i], params)

@@ -32,6 +32,8 @@ def add_subcommands(sub, asset_dir: Path, runs: Path) -> None:
     p.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: append a new cosine segment "
                    "(e.g. after the target was trained further: the drafter follows it)")
     p.add_argument("--extend-lr", type=float, default=1e-3, help="starting lr of the appended segment")
+    p.add_argument("--init-from", type=Path, default=None, help="start a new run from an exported drafter (e.g. the "
+                   "shipped one: a later training segment on a machine without the run's checkpoint)")
     p.set_defaults(fn=cmd_eagle3)
     p = sub.add_parser("export-eagle3", help="write the drafter into the package assets (fp16)")
     p.add_argument("--run", type=Path, default=Path(runs / "eagle3"))
@@ -79,9 +81,11 @@ def cmd_eagle3(args: argparse.Namespace) -> None:
     cfg = Eagle3TrainConfig(minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
                             ttt_steps=args.ttt_steps, peak_lr=args.lr, seed=args.seed,
                             selfgen_sequences=args.selfgen, extend_minutes=args.extend_minutes,
-                            extend_peak_lr=args.extend_lr)
+                            extend_peak_lr=args.extend_lr, init_from=str(args.init_from or ""))
     if args.extend_minutes > 0 and not args.resume:
         raise SystemExit("--extend-minutes needs --resume")
+    if args.init_from is not None and args.resume:
+        raise SystemExit("--init-from starts a new run; --resume continues one")
     _, final = train_eagle3(args.target, args.data, args.out, cfg, resume=args.resume)
     print(f"eagle3: step {final.step}, {final.tokens_seen} tokens, {final.elapsed_s:.0f}/{final.planned_s:.0f}s, "
           f"held-out loss {final.best_heldout_loss:.4f}")

@@ -66,3 +66,15 @@ def make_config(shape: TargetShape, eos_token_id: int = 0) -> Qwen3MoeConfig:
         pad_token_id=eos_token_id,
         use_cache=True,
     )
+
+
+def parse_layers(spec: str) -> tuple[int, ...]:
+    """Decoder layer indices from "2-5,8,10-11" (ranges inclusive); "" -> ()."""
+    layers: list[int] = []
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        try:
+            layers += range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a layer index or a range like 2-5") from None
+    return tuple(layers)

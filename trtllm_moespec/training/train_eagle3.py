@@ -73,6 +73,7 @@ class Eagle3TrainConfig:
     seed: int = 0
     extend_minutes: float = 0.0  # with resume: append a new cosine segment of this length (e.g. on a retrained target)
     extend_peak_lr: float = 1e-3  # its starting lr
+    init_from: str = ""  # exported drafter a new run starts from (a later segment on a fresh machine); "" = fresh
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,27 @@ def init_drafter(target: TargetModel, cfg: Eagle3TrainConfig) -> Eagle3Drafter:
         if final_norm is not None:
             drafter.norm.weight.copy_(final_norm.weight)
     return drafter
+
+
+def warm_start_drafter(drafter: Eagle3Drafter, exported: Path, target: TargetModel) -> int:
+    """Start a new run from an exported drafter (a later training segment: a fresh machine has no
+    optimizer state, only the shipped checkpoint). Every weight is copied into the full-vocabulary
+    drafter being trained; a pruned draft vocabulary's `lm_head` rows go to its tokens' rows, and the
+    other tokens' rows keep the target's output head they started from (`init_drafter`), so pruning
+    the export again gives the same vocabulary. Returns the exported draft vocabulary's size."""
+    source = load_eagle3(exported, target=target)
+    want = drafter.config.to_dict() | {"draft_vocab_size": None}
+    have = source.config.to_dict() | {"draft_vocab_size": None}
+    if want != have:
+        diff = sorted(k for k in want if want[k] != have.get(k))
+        raise ValueError(f"the drafter at {exported} does not match this run's shape ({', '.join(diff)} differ): "
+                         "a warm start keeps the drafter's shape (Eagle3TrainConfig)")
+    shared = {k: v for k, v in source.state_dict().items()
+              if not k.startswith("embed_tokens.") and k not in ("lm_head.weight", "d2t", "t2d")}
+    drafter.load_state_dict(shared, strict=False)
+    with torch.no_grad():
+        drafter.lm_head.weight[source.draft_vocab_target_ids()] = source.lm_head.weight
+    return source.config.draft_vocab_size
 
 
 def trainable_parameters(drafter: Eagle3Drafter) -> list[torch.nn.Parameter]:
@@ -242,6 +264,10 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
         log.info(f"resumed at step {progress.step}, {progress.elapsed_s:.0f}/{progress.planned_s:.0f}s, target {target_dir}")
     else:
         progress = Progress(step=0, planned_s=cfg.minutes * 60, tokens_seen=0, elapsed_s=0.0, best_heldout_loss=float("inf"))
+        if cfg.init_from:
+            vocab = warm_start_drafter(drafter, Path(cfg.init_from), target)
+            log.info(f"warm start from {cfg.init_from} (draft vocabulary {vocab}): held-out "
+                     f"{_fmt(evaluate(drafter, target, contiguous_windows(streams.heldout, cfg.seq_len - 1, cfg.eval_windows), cfg))}")
         (out_dir / "run_config.json").write_text(json.dumps({"target": str(target_dir), "train": asdict(cfg),
                                                              "drafter": drafter.config.to_dict()}, indent=2) + "\n")
         n = sum(p.numel() for p in trainable_parameters(drafter))

@@ -53,6 +53,10 @@ class TrainConfig:
     final_eval_windows: int = 96  # at the end of a session (the export reports the full held-out set)
     seed: int = 0
     init_from: str = ""  # exported target to warm-start a new run from (training/upscale.py); "" = random init
+    # Decoder layers whose weights train; the rest of the model (other layers, embedding, final norm) stays
+    # frozen. () = everything trains. Up-scaled layers that start as identities learn little while the layers
+    # they were inserted between can absorb the gradient (block expansion: LLaMA-Pro trains the new blocks only).
+    train_layers: tuple[int, ...] = ()
 
 
 def lr_at(step: int, elapsed_s: float, progress: Progress, cfg: TrainConfig) -> float:
@@ -62,9 +66,23 @@ def lr_at(step: int, elapsed_s: float, progress: Progress, cfg: TrainConfig) -> 
     return cosine_lr(step, frac, progress.segment_peak_lr or cfg.peak_lr, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
+def freeze_all_but(model: Qwen3MoeForCausalLM, layers: tuple[int, ...]) -> None:
+    """Only the decoder layers `layers` keep requires_grad (no-op for an empty tuple)."""
+    if not layers:
+        return
+    num_layers = model.config.num_hidden_layers
+    bad = [l for l in layers if not 0 <= l < num_layers]
+    if bad:
+        raise ValueError(f"train_layers {bad} outside the model's {num_layers} layers")
+    keep = {f"model.layers.{l}." for l in layers}
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(name.startswith(k) for k in keep))
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8)
 
@@ -120,6 +138,7 @@ def train_target(data_dir: Path, out_dir: Path, shape: TargetShape, cfg: TrainCo
     streams = load_streams(data_dir)
     torch.manual_seed(cfg.seed)
     model = Qwen3MoeForCausalLM(make_config(shape)).train()
+    freeze_all_but(model, cfg.train_layers)
     optimizer = make_optimizer(model, cfg)
     if resume:
         progress = load_checkpoint(out_dir, model, optimizer)
