@@ -36,7 +36,7 @@ def _compare(base_logits: torch.Tensor, logits: torch.Tensor, labels: torch.Tens
 def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from trtllm_moespec.training.ablation import _skip_layer
+    from trtllm_moespec.training.ablation import skip_layer
     from trtllm_moespec.training.data import contiguous_windows, load_streams
     from trtllm_moespec.training.target import parse_layers
 
@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
     for layers in [[l] for l in range(model.config.num_hidden_layers)] + [list(parse_layers(g)) for g in args.group]:
         with ExitStack() as stack:
             for l in layers:
-                stack.enter_context(_skip_layer(model, l))
+                stack.enter_context(skip_layer(model, l))
             rows.append({"layers": layers, **_compare(base_logits, _logits(model, windows), labels, base_loss)})
         r = rows[-1]
         print(f"{','.join(map(str, layers)):>24}  loss {r['loss_delta']:+.4f}  KL {r['kl']:.4f}  "

@@ -148,9 +148,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (1 keeps a core free for other work)")
     p.add_argument("--init-from", type=Path, default=None, help="start a new run from an exported target: the same shape (a later segment on a fresh machine) or moespec-tiny's (depth/expert up-scaling)")
     p.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: append a new cosine segment")
+    p.add_argument("--extend-lr", type=float, default=1e-3, help="starting lr of the appended segment")
     p.add_argument("--train-layers", default="", help="train only these decoder layers, e.g. 2-5,8-11 (the rest frozen; "
                    "default: all)")
-    p.add_argument("--extend-lr", type=float, default=1e-3, help="starting lr of the appended segment")
     p.set_defaults(fn=cmd_target)
     p = sub.add_parser("export-target", help="write the fp16 target + tokenizer into the package assets")
     p.add_argument("--run", type=Path, default=Path(runs / "target"))

@@ -266,7 +266,6 @@ def test_repeats_keep_the_median_run_of_each_prompt_and_method(model, tmp_path, 
     """--repeats N runs every (prompt, method) N times, interleaved (every other round reversed), and reports the run of median
     time; the kept steps belong to one run (not a mix)."""
     from trtllm_moespec.bench import runner as bench_runner
-
     from trtllm_moespec.bench.methods import MethodRunner
 
     kept, order = [], []

@@ -46,7 +46,7 @@ def _loss(model: torch.nn.Module, windows: torch.Tensor) -> float:
 
 
 @contextmanager
-def _skip_layer(model: torch.nn.Module, index: int):
+def skip_layer(model: torch.nn.Module, index: int):
     """Layer ``index`` returns its input unchanged (a forward hook replacing its output)."""
     layer = model.model.layers[index]
 
@@ -96,7 +96,7 @@ def ablate(model: torch.nn.Module, windows: torch.Tensor, progress: bool = True)
     bar = tqdm(total=num_layers * (1 + num_experts), desc="ablations", disable=not progress, mininterval=10)
     layer_delta, expert_delta = [], []
     for l in range(num_layers):
-        with _skip_layer(model, l):
+        with skip_layer(model, l):
             layer_delta.append(_loss(model, windows) - base)
         bar.update()
         row = []

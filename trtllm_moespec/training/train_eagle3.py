@@ -256,6 +256,7 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
     drafter = init_drafter(target, cfg).train()
     optimizer = torch.optim.AdamW(trainable_parameters(drafter), lr=cfg.peak_lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
+    heldout = contiguous_windows(streams.heldout, cfg.seq_len - 1, cfg.eval_windows)
     if resume:
         progress = load_checkpoint(out_dir, drafter, optimizer)
         if cfg.extend_minutes > 0:
@@ -267,12 +268,11 @@ def train_eagle3(target_dir: Path, data_dir: Path, out_dir: Path, cfg: Eagle3Tra
         if cfg.init_from:
             vocab = warm_start_drafter(drafter, Path(cfg.init_from), target)
             log.info(f"warm start from {cfg.init_from} (draft vocabulary {vocab}): held-out "
-                     f"{_fmt(evaluate(drafter, target, contiguous_windows(streams.heldout, cfg.seq_len - 1, cfg.eval_windows), cfg))}")
+                     f"{_fmt(evaluate(drafter, target, heldout, cfg))}")
         (out_dir / "run_config.json").write_text(json.dumps({"target": str(target_dir), "train": asdict(cfg),
                                                              "drafter": drafter.config.to_dict()}, indent=2) + "\n")
         n = sum(p.numel() for p in trainable_parameters(drafter))
         log.info(f"start: {n} trainable drafter params, target {target_dir}, train {asdict(cfg)}")
-    heldout = contiguous_windows(streams.heldout, cfg.seq_len - 1, cfg.eval_windows)
     selfgen = None
     if cfg.selfgen_sequences > 0:
         t0 = time.time()
