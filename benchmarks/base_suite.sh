@@ -33,6 +33,9 @@ fi
 if has batch; then
   python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \
     --tokens 64 --repeats "${BATCH_REPEATS:-3}" --json "$OUT/batch_steps_cpu.json"
+  # served as a server would: 24 data-set requests through B slots, freed slots refilled (steady state)
+  python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \
+    --tokens 64 --repeats "${BATCH_REPEATS:-3}" --requests 24 --json "$OUT/batch_served_cpu.json"
 fi
 if has regime; then
   python -m benchmarks.regime_plot --out benchmarks/results/regime.png

@@ -17,6 +17,12 @@ by one and together is timed beside each other.
 
 `eagle3` (unguarded, it speculates every step) against `eagle3-one-by-one`, the same with its batch's
 drafter forwards run request by request instead of packed, measures batched drafting.
+
+With `--requests N` the batch is served as a server would: N requests (the bench's data-set prompts,
+humaneval, mt_bench and gsm8k in turn) pass through B slots, a freed slot is refilled before the next
+step, and every step counts (the refills' prefills too). `full_batch_*` is then the throughput at batch
+size B in steady state: the steps that ran B requests, all but the drain after the last admission. Every
+method's tokens are checked against `ar`'s (`exact`: greedy decoding must not change them).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 from typing import NamedTuple
 
 import torch
+from tqdm import tqdm
 
 from benchmarks.bench_engine import _context_ids
 
@@ -66,6 +73,7 @@ class Run(NamedTuple):
     speculative_steps: int  # request-steps that verified draft nodes
     tokens_per_s: float  # tokens committed after the prefill step over their decode time
     full_batch_tokens_per_s: float  # the same over the steps that ran all B requests
+    outputs: tuple[tuple[int, ...], ...]  # each request's generated token ids, in admission order
 
 
 def _run(llm, engine, ids: list[int], batch: int, params) -> Run:
@@ -90,8 +98,49 @@ def _run(llm, engine, ids: list[int], batch: int, params) -> Run:
         steps += 1
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in requests) - first
-    return Run(seconds * 1e3 / steps, sum(s.verified_tokens > 0 for r in requests for s in r.steps), tokens / seconds,
-               full_tokens / full_s)
+    return Run(seconds * 1e3 / steps, _speculative_steps(requests), tokens / seconds, full_tokens / full_s,
+               _outputs(requests))
+
+
+def _serve(llm, engine, prompts: list[list[int]], batch: int, params) -> Run:
+    """`prompts` served through `batch` slots with continuous batching (`BatchedEngine.run_all`'s
+    admission, each step timed): the whole run, prefills included, and its steady state, the steps that
+    ran `batch` requests (every step until the queue empties; then the last requests drain)."""
+    requests = [llm.make_request(p, params) for p in prompts]
+    waiting = list(requests)
+    t0, steps, full_s, full_tokens = time.perf_counter(), 0, 0.0, 0
+    while waiting or engine.num_active:
+        while waiting and engine.num_active < batch:
+            engine.add(waiting.pop(0))
+        full, t_step = engine.num_active == batch, time.perf_counter()
+        outputs, _ = engine.step()
+        if full:
+            full_s += time.perf_counter() - t_step
+            full_tokens += sum(len(o.new_ids) for o in outputs)
+        steps += 1
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in requests)
+    return Run(seconds * 1e3 / steps, _speculative_steps(requests), tokens / seconds, full_tokens / full_s,
+               _outputs(requests))
+
+
+def _speculative_steps(requests) -> int:
+    return sum(s.verified_tokens > 0 for r in requests for s in r.steps)
+
+
+def _outputs(requests) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(r.output_ids) for r in requests)
+
+
+def _dataset_prompts(llm, num: int, max_tokens: int) -> list[list[int]]:
+    """The first prompts of the bench's data sets, taken in turn (humaneval, mt_bench, gsm8k, humaneval, ...)."""
+    from trtllm_moespec.bench.datasets import DATASETS, encode_prompt, load_prompts
+
+    per = -(-num // len(DATASETS))
+    limit = llm.target.max_position_embeddings - max_tokens
+    encoded = [[encode_prompt(p.text, llm.tokenizer, llm.target.vocab_size, limit) for p in load_prompts(ds, per)]
+               for ds in DATASETS]
+    return [encoded[i % len(DATASETS)][i // len(DATASETS)] for i in range(num)]
 
 
 def _prefill_ms(target, ids: list[int], sizes: list[int], repeats: int = 10) -> dict[int, tuple[float, float]]:
@@ -125,8 +174,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="ar,joint,joint-batch,evict-batch")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=0,
+                    help="0: one static batch of B requests; N: N data-set requests served through B slots")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.requests < 0:
+        raise SystemExit(f"--requests must be >= 0, got {args.requests}")
     torch.set_num_threads(1)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     methods = args.methods.split(",")
@@ -135,21 +188,27 @@ def main(argv=None) -> dict:
     llms = {p: LLM(args.model, policy=p) for p in {POLICY[m] for m in methods}}
     ids = _context_ids(llms["ar"], PROMPT_TOKENS)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    served = _dataset_prompts(llms["ar"], args.requests, args.tokens) if args.requests else None
+
+    def run(m: str, b: int) -> Run:
+        llm = llms[POLICY[m]]
+        return _run(llm, engines[m, b], ids, b, params) if served is None else _serve(llm, engines[m, b], served, b, params)
+
     engines = {(m, b): BatchedEngine(_engine(llms[POLICY[m]], m), b, batch_policy=m if m.endswith("-batch") else None)
                for m in methods for b in sizes}
-    for (m, b), engine in engines.items():  # warm-up (and each guard's first measurements)
-        _run(llms[POLICY[m]], engine, ids, b, params)
+    for m, b in engines:  # warm-up (and each guard's first measurements)
+        run(m, b)
     rows = {key: [] for key in engines}
     cells = list(engines)
-    for repeat in range(args.repeats):  # interleaved, every other repeat in reverse: drift hits every cell alike
-        for m, b in cells if repeat % 2 == 0 else cells[::-1]:
-            rows[m, b].append(_run(llms[POLICY[m]], engines[m, b], ids, b, params))
+    for repeat in tqdm(range(args.repeats), desc="repeats"):  # interleaved, every other repeat in reverse
+        for m, b in cells if repeat % 2 == 0 else cells[::-1]:  # drift hits every cell alike
+            rows[m, b].append(run(m, b))
     step_ms = {key: statistics.median(r.step_ms for r in rs) for key, rs in rows.items()}
     tokens_per_s = {key: statistics.median(r.tokens_per_s for r in rs) for key, rs in rows.items()}
     full_tokens_per_s = {key: statistics.median(r.full_batch_tokens_per_s for r in rs) for key, rs in rows.items()}
     prefill = _prefill_ms(llms["ar"].target, ids, sizes)
     result = {"model": args.model, "load_average": os.getloadavg()[0], "tokens": args.tokens, "repeats": args.repeats,
-              "prefill_96_ms": prefill, "cells": []}
+              "requests": args.requests, "prefill_96_ms": prefill, "cells": []}
     for b, (alone, together) in prefill.items():
         print(f"prefill of {b} prompt(s) of {PROMPT_TOKENS - b + 1}..{PROMPT_TOKENS} tokens: one by one {alone:.2f} ms, "
               f"together {together:.2f} ms ({alone / together:.2f}x)")
@@ -161,12 +220,13 @@ def main(argv=None) -> dict:
                     "vs_batch_1": tokens_per_s[m, b] / tokens_per_s[m, sizes[0]] if sizes[0] == 1 else None,
                     "full_batch_tokens_per_s": full_tokens_per_s[m, b],
                     "full_batch_vs_ar": full_tokens_per_s[m, b] / full_tokens_per_s["ar", b],
-                    "speculative_steps": sum(r.speculative_steps for r in rows[m, b])}
+                    "speculative_steps": sum(r.speculative_steps for r in rows[m, b]),
+                    "exact": all(r.outputs == rows["ar", b][0].outputs for r in rows[m, b])}
             result["cells"].append(cell)
             print(f"{m:12s} B={b}  {cell['step_ms']:.3f} ms/step  {cell['tokens_per_s']:7.1f} tok/s  "
                   f"x ar {cell['vs_ar']:.3f}" + (f"  x B=1 {cell['vs_batch_1']:.2f}" if cell["vs_batch_1"] else "")
                   + f"  full batch {cell['full_batch_tokens_per_s']:7.1f} tok/s x ar {cell['full_batch_vs_ar']:.3f}"
-                  + f"  speculative steps {cell['speculative_steps']}")
+                  + f"  speculative steps {cell['speculative_steps']}" + ("" if cell["exact"] else "  NOT EXACT"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
