@@ -93,3 +93,24 @@ def test_the_calibrator_prior_counts_only_nodes_whose_parent_the_target_accepts(
     assert expected_trials < sum(int(records.step(s).tree.valid.sum()) for s in range(records.num_steps))
     assert trials.sum() == pytest.approx(expected_trials)
     assert accepted.sum() == pytest.approx(expected_hits)
+
+
+def test_hindsight_prefix_bounds_the_stop_rule_and_the_oracle_bounds_it(recorded):
+    """Per step, the best prefix of a value order (hindsight) earns at least the policy's own stop on that
+    order, and the oracle (the true order) at least as much as any prefix of another order."""
+    _, records, _ = recorded
+    cost = StepCost(CostTable.load(resolve_model("moespec-tiny").cost_profile, override=True), use_fit=True)
+    evict = make_policy("evict", budget=32, cost_table=cost.table)
+    _, own = replay_policy(records, "evict", evict, RawValues(), cost, 32)
+    _, bound = replay_policy(records, "hindsight", evict, RawValues(), cost, 32, hindsight=True)
+
+    def ratio(step, sel):
+        return (1.0 + realized_accepts(step, sel, None)[0]) / cost(step, sel)
+
+    strict = 0
+    for s, (mine, best) in enumerate(zip(own, bound)):
+        step = records.step(s)
+        assert ratio(step, best) >= ratio(step, mine) - 1e-12
+        assert ratio(step, oracle_selection(step, cost, 32)) >= ratio(step, best) - 1e-12
+        strict += ratio(step, best) > ratio(step, mine) + 1e-12
+    assert strict > 0  # the bound is not the policy itself

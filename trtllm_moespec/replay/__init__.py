@@ -4,7 +4,7 @@ then score selection policies and value models offline on exactly those steps.
     moespec replay record --model moespec-tiny --datasets humaneval,mt_bench,gsm8k --num-prompts 8 \\
         --max-tokens 64 --out runs/replay/heldout.safetensors
     moespec replay score FILE --policies eagle3,evict,ecospec,joint,coverage --values raw,calibrated,head \\
-        --cost-profile PROFILE [--cost fit|table] [--json OUT --markdown OUT]
+        --cost-profile PROFILE [--cost fit|table] [--hindsight] [--json OUT --markdown OUT]
     moespec replay rank FILE --values raw,calibrated,head --k 1,2,4,8,16 [--json OUT --markdown OUT]
     moespec replay fit-calibrator FILE [FILE ...] --out value_calibrator.json
 
@@ -61,6 +61,9 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     sc.add_argument("--cost-profile", default=None, help="cost_profile.json (default: the model's own)")
     sc.add_argument("--cost", choices=["fit", "table"], default="fit",
                     help="charge C(k, U) with the true expert union (fit, default) or the profiled C(k) (table)")
+    sc.add_argument("--hindsight", action="store_true",
+                    help="also score each value model's order with the best prefix per step in hindsight: the "
+                         "bound of any stop rule on those values (the rest of the gap to the oracle is ranking)")
     rk = sub.choices["rank"]
     rk.add_argument("--k", type=_csv(int), default=(1, 2, 4, 8, 16))
     f = sub.add_parser("fit-calibrator", help="fit the value calibrator prior from records")
@@ -187,6 +190,12 @@ def _score(args, argv) -> int:
             label = f"{name}[values={kind}]" if policy.uses_values else name
             tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
                                      tree.max_draft_tokens)
+            rows.append(tally.as_dict())
+    if args.hindsight:  # the value order alone (evict's), stopped where the target's verdicts say is best
+        order_only = build_policy("evict", tree, table, {})
+        for kind in args.values:
+            tally, _ = replay_policy(records, f"hindsight[values={kind}]", order_only, models[kind], cost,
+                                     tree.max_draft_tokens, hindsight=True)
             rows.append(tally.as_dict())
     oracle, _ = replay_policy(records, "oracle", None, None, cost, tree.max_draft_tokens)
     rows.append(oracle.as_dict())

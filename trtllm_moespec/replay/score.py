@@ -95,14 +95,21 @@ def realized_accepts(step: StepRecord, selected: list[int], rng: np.random.Gener
 def oracle_selection(step: StepRecord, cost: StepCost, max_nodes: int) -> list[int]:
     """The best prefix (tokens / cost) of the true-value order: what a perfect value model would verify."""
     truth = true_values(step)
-    order = [v for v in score_order(with_values(step.tree, truth))[0].tolist() if bool(step.tree.valid[0, v])]
-    order = order[:max_nodes]
-    t = truth[0]
+    return best_prefix(step, score_order(with_values(step.tree, truth))[0].tolist(), cost, max_nodes)
+
+
+def best_prefix(step: StepRecord, order: list[int], cost: StepCost, max_nodes: int) -> list[int]:
+    """The prefix of a parent-closed node `order` with the most tokens per cost, knowing the target's
+    verdicts. For the true-value order it is the oracle; for a value model's order it bounds what any
+    stop rule on that order could reach (the rest of the gap to the oracle is the order itself)."""
+    t = true_values(step)[0]
+    order = [v for v in order if bool(step.tree.valid[0, v])][:max_nodes]
+    # a parent-closed prefix holds a prefix of the accepted chain: its tokens are 1 + the true values it holds;
+    # past the last node of positive value a longer prefix only adds cost
+    end = max((j + 1 for j, v in enumerate(order) if t[v] > 0), default=0)
     best, best_j, tokens = 1.0 / cost(step, []), 0, 1.0
-    for j in range(1, len(order) + 1):
+    for j in range(1, end + 1):
         tokens += float(t[order[j - 1]])
-        if t[order[j - 1]] <= 0:
-            break  # later nodes score 0 too: they only add cost
         u = tokens / cost(step, order[:j])
         if u > best:
             best, best_j = u, j
@@ -128,8 +135,10 @@ class PolicyTally:
 
 
 def replay_policy(records: ReplayFile, label: str, policy: SelectionPolicy | None, value_model, cost: StepCost,
-                  max_nodes: int, seed: int = 0, steps: list[int] | None = None) -> tuple[PolicyTally, list[list[int]]]:
-    """Score one policy (None = the oracle selection) over the steps; returns the tally and each step's selection."""
+                  max_nodes: int, seed: int = 0, steps: list[int] | None = None,
+                  hindsight: bool = False) -> tuple[PolicyTally, list[list[int]]]:
+    """Score one policy (None = the oracle selection) over the steps; returns the tally and each step's selection.
+    `hindsight`: instead of the policy's own stop, the best prefix of its value order (`best_prefix`)."""
     tally, selections = PolicyTally(label), []
     state, request = None, None
     rng = np.random.default_rng(seed)
@@ -144,9 +153,12 @@ def replay_policy(records: ReplayFile, label: str, policy: SelectionPolicy | Non
         else:
             tree = step.tree
             valued = with_values(tree, state.values(tree, _Draft(step.node_hidden), step.context)) if state else tree
-            sel = policy.select(valued, experts=step.experts, root_experts=step.root_experts,
-                                target_scores=step.target_local)
-            selected = [v for v in sel.node_idx[0].tolist() if v >= 0]
+            if hindsight:
+                selected = best_prefix(step, score_order(valued)[0].tolist(), cost, max_nodes)
+            else:
+                sel = policy.select(valued, experts=step.experts, root_experts=step.root_experts,
+                                    target_scores=step.target_local)
+                selected = [v for v in sel.node_idx[0].tolist() if v >= 0]
         accepted, walk = realized_accepts(step, selected, rng)
         if state is not None:
             node_idx = torch.tensor([selected], dtype=torch.int64).reshape(1, -1)
