@@ -11,15 +11,43 @@
 #                                              # then `family-drafter` rebuilds what depends on the drafter
 #   bash build_scripts/make_base.sh family      # export the target, then drafter, draft vocabulary, predictor head,
 #                                              # calibrator prior, cost profile and the report
+# The fresh-layer cycle (the up-scaling's 16 fresh layers trained alone, block expansion), segment by segment;
+# nothing shipped changes until `fresh-ship`:
+#   bash build_scripts/make_base.sh fresh          # FRESH_MIN minutes of the fresh layers (resumes runs/base/target_fresh
+#                                                  # when its checkpoint is here), exported to runs/base/target_fresh_export
+#   bash build_scripts/make_base.sh fresh-drafter  # the drafter follows that export (warm-started from the shipped
+#                                                  # drafter, or resumed), DRAFTER_MIN minutes
+#   bash build_scripts/make_base.sh fresh-ship     # both into the assets, then the drafter's family, profile, report
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
-# DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1).
+# DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
 A=trtllm_moespec/assets/moespec-base
 R=runs/base
 mkdir -p runs/logs
-step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter}"
+step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter|fresh|fresh-drafter|fresh-ship}"
+FRESH_LAYERS=2-5,8-11,14-17,20-23  # the up-scaling's fresh layers (training/upscale.py), started as identities
+
+# A run continues from its checkpoint when one is here (a new cosine segment), else starts from $2's export.
+segment() {  # segment RUN_DIR INIT_FROM MINUTES LR -> the flags of a new or resumed segment
+  if [[ -f "$1/ckpt/progress.json" ]]; then
+    echo "--resume --minutes $3 --extend-minutes $3 --extend-lr $4"
+  else
+    echo "--init-from $2 --minutes $3 --lr $4"
+  fi
+}
+
+report_and_profile() {
+  python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 --threads 1 \
+    --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
+  python -m benchmarks.layer_ablation --group $FRESH_LAYERS --threads 1 --json benchmarks/results/base/layer_ablation.json \
+    2>&1 | tee runs/logs/layer_ablation.log
+  # the tree the model ships with (its default: LLM, the CLI and the benchmarks draft the tree its profile names):
+  # 6,8,32 over EAGLE's 4,8,32, where half of joint's speculative steps accepted the whole depth 4 (runs/tree)
+  moespec profile --model moespec-base --tree 6,8,32 --repeats 40 --out "$A/cost_profile.json" \
+    | tee benchmarks/results/base/profile.txt
+}
 
 # What depends on the drafter: its draft vocabulary (the export pruned to 512 tokens), the predictor head on its
 # hidden states and the calibrator prior from replay records of its trees.
@@ -69,12 +97,22 @@ family)
     --threads 2 2>&1 | tee runs/logs/base_eagle3_final.log
   python build_scripts/train_model.py $F export-eagle3
   drafter_family
-  python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 --threads 1 \
-    --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
-  # the tree the model ships with (its default: LLM, the CLI and the benchmarks draft the tree its profile names):
-  # 6,8,32 over EAGLE's 4,8,32, where half of joint's speculative steps accepted the whole depth 4 (runs/tree)
-  moespec profile --model moespec-base --tree 6,8,32 --repeats 40 --out "$A/cost_profile.json" \
-    | tee benchmarks/results/base/profile.txt ;;
+  report_and_profile ;;
+fresh)
+  # block expansion: only the fresh layers train (the first segment, 30 minutes, ran at lr 2e-3)
+  python build_scripts/train_model.py $F target --out "$R/target_fresh" --batch-size 4 --threads 1 \
+    --train-layers $FRESH_LAYERS $(segment "$R/target_fresh" "$A/target" "${FRESH_MIN:-90}" "${FRESH_LR:-1.5e-3}") \
+    2>&1 | tee -a runs/logs/target_fresh.log
+  python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$R/target_fresh_export" ;;
+fresh-drafter)
+  python build_scripts/train_model.py $F eagle3 --target "$R/target_fresh_export" --out "$R/eagle3_fresh" \
+    --threads "${THREADS:-1}" $(segment "$R/eagle3_fresh" "$A/eagle3" "${DRAFTER_MIN:-60}" "${DRAFTER_LR:-1e-3}") \
+    2>&1 | tee -a runs/logs/eagle3_fresh.log ;;
+fresh-ship)
+  python build_scripts/train_model.py $F export-target --run "$R/target_fresh"
+  python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh"
+  drafter_family
+  report_and_profile ;;
 *)
   echo "unknown step $step" >&2; exit 2 ;;
 esac
