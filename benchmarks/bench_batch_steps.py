@@ -178,10 +178,10 @@ def main(argv=None) -> dict:
                     help="0: one static batch of B requests; N: N data-set requests served through B slots")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.requests < 0:
-        raise SystemExit(f"--requests must be >= 0, got {args.requests}")
     torch.set_num_threads(1)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.requests < 0 or 0 < args.requests < max(sizes):
+        raise SystemExit(f"--requests: 0 (a static batch) or at least the largest batch size, got {args.requests}")
     methods = args.methods.split(",")
     if "ar" not in methods or any(m not in POLICY for m in methods):
         raise SystemExit(f"--methods: a comma list of {', '.join(POLICY)} including ar")
