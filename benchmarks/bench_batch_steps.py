@@ -88,18 +88,7 @@ def _run(llm, engine, ids: list[int], batch: int, params) -> Run:
         engine.add(r)
     engine.step()  # the prefills and first tokens
     first = sum(len(r.output_ids) for r in requests)
-    t0, steps, full_s, full_tokens = time.perf_counter(), 0, 0.0, 0
-    while engine.num_active:
-        full, t_step = engine.num_active == batch, time.perf_counter()
-        outputs, _ = engine.step()
-        if full:
-            full_s += time.perf_counter() - t_step
-            full_tokens += sum(len(o.new_ids) for o in outputs)
-        steps += 1
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(r.output_ids) for r in requests) - first
-    return Run(seconds * 1e3 / steps, _speculative_steps(requests), tokens / seconds, full_tokens / full_s,
-               _outputs(requests))
+    return _timed_run(engine, requests, [], batch, first)
 
 
 def _serve(llm, engine, prompts: list[list[int]], batch: int, params) -> Run:
@@ -107,7 +96,12 @@ def _serve(llm, engine, prompts: list[list[int]], batch: int, params) -> Run:
     admission, each step timed): the whole run, prefills included, and its steady state, the steps that
     ran `batch` requests (every step until the queue empties; then the last requests drain)."""
     requests = [llm.make_request(p, params) for p in prompts]
-    waiting = list(requests)
+    return _timed_run(engine, requests, list(requests), batch, 0)
+
+
+def _timed_run(engine, requests: list, waiting: list, batch: int, first: int) -> Run:
+    """Step until every request is done, admitting `waiting` ones into free slots before each step; the
+    tokens beyond `first` (those committed before the timing) over the time, and over the full-batch steps."""
     t0, steps, full_s, full_tokens = time.perf_counter(), 0, 0.0, 0
     while waiting or engine.num_active:
         while waiting and engine.num_active < batch:
@@ -119,7 +113,7 @@ def _serve(llm, engine, prompts: list[list[int]], batch: int, params) -> Run:
             full_tokens += sum(len(o.new_ids) for o in outputs)
         steps += 1
     seconds = time.perf_counter() - t0
-    tokens = sum(len(r.output_ids) for r in requests)
+    tokens = sum(len(r.output_ids) for r in requests) - first
     return Run(seconds * 1e3 / steps, _speculative_steps(requests), tokens / seconds, full_tokens / full_s,
                _outputs(requests))
 
