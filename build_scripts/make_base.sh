@@ -17,17 +17,25 @@
 #                                                  # when its checkpoint is here), exported to runs/base/target_fresh_export
 #   bash build_scripts/make_base.sh fresh-drafter  # the drafter follows that export (warm-started from the shipped
 #                                                  # drafter, or resumed), DRAFTER_MIN minutes
+#   bash build_scripts/make_base.sh fresh-stage    # both exports into checkpoints/moespec-base-fresh/ (committed: a
+#                                                  # later machine, with no runs/, resumes or ships from them)
 #   bash build_scripts/make_base.sh fresh-ship     # both into the assets, then the drafter's family, profile, report
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
-# DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3).
+# DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3),
+# AUX_COEF (0.03, the router load-balancing weight of the fresh segments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
 A=trtllm_moespec/assets/moespec-base
 R=runs/base
 mkdir -p runs/logs
-step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter|fresh|fresh-drafter|fresh-ship}"
+step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter|fresh|fresh-drafter|fresh-stage|fresh-ship}"
 FRESH_LAYERS=2-5,8-11,14-17,20-23  # the up-scaling's fresh layers (training/upscale.py), started as identities
+STAGE=checkpoints/moespec-base-fresh  # the fresh cycle's exports between machines (fresh-stage), until shipped
+
+staged() {  # staged NAME FALLBACK -> the staged export NAME (target, eagle3) when one is committed, else FALLBACK
+  if [[ -f "$STAGE/$1/config.json" ]]; then echo "$STAGE/$1"; else echo "$2"; fi
+}
 
 # A run continues from its checkpoint when one is here (a new cosine segment), else starts from $2's export.
 segment() {  # segment RUN_DIR INIT_FROM MINUTES LR -> the flags of a new or resumed segment
@@ -101,16 +109,32 @@ family)
 fresh)
   # block expansion: only the fresh layers train (the first segment, 30 minutes, ran at lr 2e-3)
   python build_scripts/train_model.py $F target --out "$R/target_fresh" --batch-size 4 --threads 1 \
-    --train-layers $FRESH_LAYERS $(segment "$R/target_fresh" "$A/target" "${FRESH_MIN:-90}" "${FRESH_LR:-1.5e-3}") \
+    --aux-coef "${AUX_COEF:-0.03}" --train-layers $FRESH_LAYERS $(segment "$R/target_fresh" "$(staged target "$A/target")" "${FRESH_MIN:-90}" "${FRESH_LR:-1.5e-3}") \
     2>&1 | tee -a runs/logs/target_fresh.log
   python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$R/target_fresh_export" ;;
 fresh-drafter)
-  python build_scripts/train_model.py $F eagle3 --target "$R/target_fresh_export" --out "$R/eagle3_fresh" \
-    --threads "${THREADS:-1}" $(segment "$R/eagle3_fresh" "$A/eagle3" "${DRAFTER_MIN:-60}" "${DRAFTER_LR:-1e-3}") \
+  T="$R/target_fresh_export"; [[ -d "$T" ]] || T="$(staged target "$A/target")"
+  python build_scripts/train_model.py $F eagle3 --target "$T" --out "$R/eagle3_fresh" \
+    --threads "${THREADS:-1}" $(segment "$R/eagle3_fresh" "$(staged eagle3 "$A/eagle3")" "${DRAFTER_MIN:-60}" "${DRAFTER_LR:-1e-3}") \
     2>&1 | tee -a runs/logs/eagle3_fresh.log ;;
+fresh-stage)
+  # the drafter's export is unpruned (the draft vocabulary is pruned when shipped, drafter_family)
+  rm -rf "$STAGE" && mkdir -p "$STAGE"
+  python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$STAGE/target"
+  python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh" --target "$STAGE/target" \
+    --out "$STAGE/eagle3" ;;
 fresh-ship)
-  python build_scripts/train_model.py $F export-target --run "$R/target_fresh"
-  python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh"
+  # from this machine's runs when they are here, else from the staged exports of an earlier machine
+  if [[ -f "$R/target_fresh/ckpt/progress.json" ]]; then
+    python build_scripts/train_model.py $F export-target --run "$R/target_fresh"
+  else
+    cp "$STAGE"/target/* "$A/target/"
+  fi
+  if [[ -f "$R/eagle3_fresh/ckpt/progress.json" ]]; then
+    python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh"
+  else
+    rm -rf "$A/eagle3" && cp -r "$STAGE/eagle3" "$A/eagle3"
+  fi
   drafter_family
   report_and_profile ;;
 *)

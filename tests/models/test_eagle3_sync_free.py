@@ -1,7 +1,8 @@
 """Tree drafting without reading the frontier back (`sync_free`, what a CUDA drafter runs with no
 stop rule): the frontier's -1 pads are fed through the forward instead of being dropped on the host.
 On CPU tensors the same code drafts what the host-read path drafts: the same tree when every child
-scores above 0, the same valid nodes (by token path) when some score exactly 0."""
+scores above 0 (scores to the last bit: the host-read path's logs are numba's, fused_step.py), the same
+valid nodes (by token path) when some score exactly 0."""
 
 import pytest
 import torch
@@ -13,12 +14,13 @@ from .test_eagle3_static import _prefilled
 
 
 def _valid_paths(tree) -> dict[tuple[int, ...], float]:
-    """{token path from the root's child: log score} of the tree's valid nodes."""
+    """{token path from the root's child: log score} of the tree's valid nodes of nonzero probability
+    (which tokens of probability 0 fill a top-k is a tie each top-k breaks its own way)."""
     tokens, parents, valid = tree.token_ids[0].tolist(), tree.parents[0].tolist(), tree.valid[0].tolist()
     scores = tree.log_scores[0].tolist()
     out = {}
     for v in range(len(tokens)):
-        if not valid[v]:
+        if not valid[v] or scores[v] == float("-inf"):
             continue
         path, u = [], v
         while u >= 0:
@@ -37,8 +39,10 @@ def test_sync_free_drafts_the_same_tree(drafter, S, steps, topk, runner):
     ref = draft_eagle3_tree(drafter, cache, steps, topk, sync_free=False, **kwargs)
     got = draft_eagle3_tree(drafter, cache, steps, topk, sync_free=True, **kwargs)
     assert ref.tree.num_nodes == topk + (steps - 1) * topk * topk  # every frontier was full
-    for name in ("token_ids", "parents", "depth", "valid", "log_scores"):
+    for name in ("token_ids", "parents", "depth", "valid"):
         assert torch.equal(getattr(got.tree, name), getattr(ref.tree, name)), name
+    # the host-read path's bookkeeping is compiled on CPU (fused_step.py): its logs may differ in the last bit
+    torch.testing.assert_close(got.tree.log_scores, ref.tree.log_scores, rtol=1e-6, atol=1e-6)
     assert torch.equal(got.node_hidden, ref.node_hidden)
     assert got.num_forwards == ref.num_forwards == steps - 1
     assert cache.num_tokens == S

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from ..core.device import token_tensor
@@ -408,9 +409,9 @@ def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     T, L = ids.shape[:2]
     if T == 1:  # one token's top-k experts are distinct
         return float(ids.shape[2])
-    if ids.device.type == "cpu":  # a few hundred ints: Python sets beat a scatter of tensor ops
-        rows = ids.transpose(0, 1).reshape(L, -1).tolist()
-        return sum(len(set(r)) for r in rows) / L
+    if ids.device.type == "cpu":  # a few hundred ints: one numpy sort beats a scatter of tensor ops
+        rows = np.sort(ids.numpy().transpose(1, 0, 2).reshape(L, -1), axis=1)  # [L, T * topk]
+        return float((np.diff(rows, axis=1) != 0).sum() + L) / L  # distinct = changes along the sorted row + 1
     onehot = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
     onehot.scatter_(1, ids.permute(1, 0, 2).reshape(L, -1), True)
     return float(onehot.sum(1).float().mean())

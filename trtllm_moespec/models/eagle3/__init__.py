@@ -8,6 +8,7 @@ CUDA graphs, and tree drafting. Layered one way, each module importing only thos
 - `loading.py`: load_eagle3, write_random_drafter
 - `static.py`: the static-shape drafter forward a CUDA graph captures
 - `graphs.py`: its runners and CUDA graphs (extensions, tree-drafting steps), kept per K/V buffer
+- `fused_step.py`: a drafting step's host bookkeeping as one numba-compiled call (CPU)
 - `drafting.py`: tree drafting (draft_eagle3_tree / draft_eagle3_trees), optionally through graphs.py
 
 The one call upward is `Eagle3Drafter.draft_tree`, which imports drafting.py when called (drafting

@@ -34,6 +34,7 @@ import torch
 
 from ...core.policies import ddd_should_stop
 from ...core.tree import DraftTree, TreeBuffer
+from .fused_step import fused_grow_step
 from .types import PackedSegment
 
 if TYPE_CHECKING:
@@ -140,14 +141,14 @@ def draft_eagle3_trees(
                 logits = logits.clone() if logits is out.logits else logits
                 logits[:, row:row + t.width] = t.constrained(logits[:, row:row + t.width], t.f)
             row += t.width
-        ids, probs = _top_children(drafter, logits, topk)  # [1, sum F, topk]
+        probs = torch.softmax(logits.float(), dim=-1)  # [1, sum F, V_draft]: one softmax for all rows
         if len(active) == 1:
-            active[0].grow(ids, probs, out.hidden)
+            active[0].grow(probs, out.hidden)
             continue
         row = 0
         for t in active:
             rows = slice(row, row + t.width)
-            t.grow(ids[:, rows], probs[:, rows], out.hidden[:, rows])
+            t.grow(probs[:, rows], out.hidden[:, rows])
             row += t.width
     return [t.result() for t in trees]
 
@@ -175,16 +176,34 @@ class _TreeDraft:
         root_logits = cache.last_logits[:, None]  # [1, 1, V_draft]
         if constraint is not None:
             root_logits = self.constrained(root_logits, None)
-        ids, probs = _top_children(drafter, root_logits, topk)  # [1, 1, topk]
-        probs = self._alive_only(probs)
-        self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
-        self.node_hidden = cache.last_hidden.new_empty(1, capacity, cache.last_hidden.shape[-1])
+        H = cache.last_hidden.shape[-1]
+        self.node_hidden = cache.last_hidden.new_empty(1, capacity, H)
         # CPU: the per-step copies go through a numpy view (~5 us a step instead of ~13)
         host = _host_view(self.node_hidden)
         self._hidden_np = None if host is None else host[0]
-        self._write_hidden(0, cache.last_hidden[0][None])
         self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
         self.num_slots = self.num_forwards = 0
+        root_probs = torch.softmax(root_logits.float(), dim=-1)  # [1, 1, V_draft]
+        # CPU, float32, no grammar: each step's bookkeeping in one compiled call (fused_step.py), with
+        # the next forward's inputs gathered into these buffers
+        self._fused = fused_grow_step() if self._fusable(constraint, padded) else None
+        if self._fused is not None:
+            self._in_hidden = self.node_hidden.new_empty(1, topk, H)
+            self._in_ids = torch.zeros(1, topk, dtype=torch.int64)
+            self._next = np.empty(topk, dtype=np.int64)
+            h, masks = self.nodes._host, self.masks
+            # the kernel's buffer arguments, fixed for the whole draft (numpy views of the tensors above)
+            self._buffers = (masks.hidden, h.token_ids[0], h.parents[0], h.depth[0], h.draft_probs[0],
+                             h.log_scores[0], h.valid[0], self._hidden_np, masks._rows_np, masks._mask_np,
+                             self._next, self._in_hidden.numpy()[0], self._in_ids.numpy()[0])
+            self._target_ids = drafter.draft_vocab_target_ids().numpy()
+            self._fused_grow(root_probs[0], cache.last_hidden[0][None], np.zeros(1, dtype=np.int64), is_root=True)
+            self.frontier = torch.from_numpy(self._next[None])  # a view: each grow rewrites it
+        else:
+            ids, probs = _top_children(drafter, root_probs, topk)  # [1, 1, topk]
+            probs = self._alive_only(probs)
+            self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
+            self._write_hidden(0, cache.last_hidden[0][None])
         # [steps - 1, topk] view: row `step` holds position S + step (one op for the whole draft)
         self.positions = torch.arange(self.start, self.start + max(steps - 1, 0), device=device)[:, None].expand(
             max(steps - 1, 0), topk)
@@ -193,6 +212,18 @@ class _TreeDraft:
         self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded (-1 pads when padded)
         self.rows: torch.Tensor | None = None  # f with pads read as node 0 (what the forward's rows gather)
         self.width = 0  # F
+
+    def _fusable(self, constraint: DraftConstraint | None, padded: bool) -> bool:
+        return (constraint is None and not padded and self._hidden_np is not None
+                and self.node_hidden.dtype == torch.float32 and self.masks._mask_np is not None
+                and self.masks.mask.dtype == torch.float32)
+
+    def _fused_grow(self, probs: torch.Tensor, hidden: torch.Tensor, frontier: np.ndarray, is_root: bool = False) -> None:
+        """`grow_step` on this tree's buffers: probs [F, V_draft] and hidden [F, H] of the frontier's rows."""
+        n, m = self.nodes._take(probs.shape[0] * self.topk)
+        self._fused(probs.numpy(), hidden.numpy(), frontier, self._target_ids, self.topk, n, self.num_slots,
+                    self.start, is_root, *self._buffers)
+        self.nodes.num_nodes = m
 
     def expands(self, ddd_threshold: float | None, should_expand: ExpandRule | None) -> bool:
         """Whether this request's frontier is expanded at this step (once it stops, it stays stopped)."""
@@ -225,18 +256,28 @@ class _TreeDraft:
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden of the forward that proposed each frontier node [1, F, H], their tokens [1, F])."""
+        if self._fused is not None:  # gathered by the last grow
+            return self._in_hidden[:, :self.width], self._in_ids[:, :self.width]
         return self.node_hidden.index_select(1, self.rows), self.nodes.token_ids.index_select(1, self.rows)
 
     def mask(self) -> torch.Tensor:
+        if self._fused is not None:  # written by the last grow
+            F_ = self.width
+            return self.masks.mask[None, None, :F_, :self.start + self.num_slots + F_]
         return self.masks.frontier(self.rows, self.num_slots)
 
     def segment(self) -> PackedSegment:
         return PackedSegment(self.kv, self.start + self.num_slots, self.width, self.mask())
 
-    def grow(self, ids: torch.Tensor, probs: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Add the frontier's top-k children (ids, probs [1, F, topk]; hidden [1, F, H] of this forward)."""
+    def grow(self, probs: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Add the frontier's top-k children (probs [1, F, V_draft] and hidden [1, F, H] of this forward)."""
         n, F_ = self.nodes.num_nodes, self.width
         self.num_forwards += 1
+        if self._fused is not None:
+            self._fused_grow(probs[0], hidden[0], self.f.numpy())
+            self.num_slots += F_
+            return
+        ids, probs = _top_children(self.drafter, probs, self.topk)  # [1, F, topk]
         self.frontier = self.nodes.grow(self.f[None], ids, self._alive_only(probs), self.topk, dense=not self.padded)
         self.masks.add_children(n, F_, self.topk, self.num_slots)
         self._write_hidden(n, hidden[0])
@@ -301,6 +342,7 @@ class _TreeMasks:
         self.prefix_len = prefix_len
         self.rows = torch.full((capacity, max(max_slots, 1)), hidden, dtype=dtype, device=device)
         self.mask = torch.zeros(topk, prefix_len + max_slots, dtype=dtype, device=device)
+        self.hidden = hidden  # the value of a slot a row does not see
         # CPU: the row copies go through numpy views of the same storage (~1 us per op instead of ~10)
         self._rows_np, self._mask_np = _host_view(self.rows), _host_view(self.mask)
 
@@ -329,8 +371,7 @@ class _TreeMasks:
         self.rows[first:first + num_parents * topk, :width].view(num_parents, topk, width).copy_(parents[:, None])
 
 
-def _top_children(drafter: "Eagle3Drafter", logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k draft-vocab tokens of logits [1, F, V_draft] -> (target ids, probs), each [1, F, topk]."""
-    probs = torch.softmax(logits.float(), dim=-1)
+def _top_children(drafter: "Eagle3Drafter", probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k draft-vocab tokens of probs [1, F, V_draft] -> (target ids, probs), each [1, F, topk]."""
     top_p, top_d = probs.topk(topk, dim=-1)
     return drafter.to_target_ids(top_d), top_p
