@@ -3,13 +3,13 @@
 # on held-out prompts, the batched engine at B = 1, 4, 8 and the regime plot. 1 torch thread, as profiled.
 # Run on a quiet machine (nothing else running): about 2.5 hours on the 2-core CPU at the full sizes.
 #   bash benchmarks/base_suite.sh                  # everything
-#   STAGES="bench" REPEATS=1 bash benchmarks/base_suite.sh   # a subset (stages: profile bench replay batch regime)
+#   STAGES="bench" REPEATS=1 bash benchmarks/base_suite.sh   # a subset (stages: profile bench replay batch overhead regime)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results/base
 R=runs/base/replay
 M=moespec-base
-STAGES="${STAGES:-profile bench replay batch regime}"
+STAGES="${STAGES:-profile bench replay batch overhead regime}"
 mkdir -p "$OUT" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -36,6 +36,9 @@ if has batch; then
   # served as a server would: 24 data-set requests through B slots, freed slots refilled (steady state)
   python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \
     --tokens 64 --repeats "${BATCH_REPEATS:-3}" --requests 24 --json "$OUT/batch_served_cpu.json"
+fi
+if has overhead; then  # a speculative step's overhead and its anatomy, the compiled drafting step beside the reference
+  python -m benchmarks.bench_step_overhead --model $M --repeats "${OVERHEAD_REPEATS:-7}" --json "$OUT/step_overhead_cpu.json"
 fi
 if has regime; then
   python -m benchmarks.regime_plot --out benchmarks/results/regime.png
