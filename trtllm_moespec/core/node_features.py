@@ -81,12 +81,18 @@ def copies_recent(tree: DraftTree, context: list[int], n: int = 2, index: Recent
         index = RecentFollowers(n)
     index.update(context)
     recent = index.recent
-    tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+    tokens_np, parents_np = tree.token_ids[0].cpu().numpy(), tree.parents[0].cpu().numpy()
+    N = len(parents_np)
+    tokens, parents = tokens_np.tolist(), parents_np.tolist()
     # Siblings share their parent's tail: one look-up per node that has children (about N / topk of them),
-    # walked in index order (a parent's index is below its children's), not one per node.
-    tails = {-1: tuple(context[-n:])}
-    for p in sorted(set(parents) - {-1}):
-        tails[p] = (tails[parents[p]] + (tokens[p],))[-n:]
-    follower = {p: recent.get(tail, -1) if len(tail) >= n else -1 for p, tail in tails.items()}
-    next_of_parent = np.fromiter((follower[p] for p in parents), dtype=np.int64, count=len(parents))
-    return ((np.asarray(tokens, dtype=np.int64) == next_of_parent) & tree.valid[0].cpu().numpy()).astype(np.int64)
+    # walked in index order (a parent's index is below its children's), not one per node. follower[N] is the
+    # root's, so parents -1 read it.
+    root_tail = tuple(context[-n:])
+    tails = {-1: root_tail}
+    follower = np.full(N + 1, -1, dtype=np.int64)
+    follower[N] = recent.get(root_tail, -1) if len(root_tail) >= n else -1
+    for p in np.unique(parents_np[parents_np >= 0]).tolist():
+        tails[p] = tail = (tails[parents[p]] + (tokens[p],))[-n:]
+        follower[p] = recent.get(tail, -1) if len(tail) >= n else -1
+    next_of_parent = follower[np.where(parents_np >= 0, parents_np, N)]
+    return ((tokens_np == next_of_parent) & tree.valid[0].cpu().numpy()).astype(np.int64)
