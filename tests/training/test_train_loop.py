@@ -98,3 +98,23 @@ def test_parse_layers() -> None:
     assert parse_layers("2-5,8,10-11") == (2, 3, 4, 5, 8, 10, 11) and parse_layers("") == ()
     with pytest.raises(ValueError, match="'x-3'"):
         parse_layers("1,x-3")
+
+
+def test_layer_balance_loss_sees_each_layer_apart():
+    """One layer equals transformers' pooled loss; two layers each routing to other experts read balanced
+    when pooled (the flaw) but not per layer."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from trtllm_moespec.training.train_target import layer_balance_loss
+
+    g = torch.Generator().manual_seed(0)
+    one = (torch.randn(40, 8, generator=g),)
+    assert float(layer_balance_loss(one, 2)) == pytest.approx(float(load_balancing_loss_func(one, 8, 2, None)), rel=1e-5)
+    skew = torch.full((64, 8), -20.0)
+    skew[:, :4] = torch.randn(64, 4, generator=g)  # layer a uses experts 0-3 only
+    flipped = skew.roll(4, dims=1)  # layer b uses experts 4-7 only
+    pooled = float(load_balancing_loss_func((skew, flipped), 8, 2, None))
+    per_layer = float(layer_balance_loss((skew, flipped), 2))
+    assert pooled == pytest.approx(2.0, rel=0.1)  # the two layers together use every expert alike
+    assert per_layer > 1.6 * pooled  # each layer half-dead: about twice the balanced value

@@ -1,8 +1,11 @@
 """Time-bounded, resumable training of the tiny Qwen3-MoE target.
 
 The loss is next-token cross-entropy plus ``router_aux_loss_coef`` times the
-Switch load-balancing loss (transformers' ``load_balancing_loss_func``, returned as
-``aux_loss`` when ``output_router_logits=True``). The cosine schedule runs over
+Switch load-balancing loss of each MoE layer, averaged over the layers
+(`layer_balance_loss`). transformers' own ``aux_loss`` pools every layer's routing
+before it measures the balance, so experts that share an index in different layers
+count as one: it reads balanced (top-k) while single layers route most tokens to a few
+experts (moespec-base's fresh layers did, under it). The cosine schedule runs over
 training wall time (``planned_s`` = ``--minutes`` of the first launch, stored in
 the checkpoint), not over a step count: the machine is shared and its throughput
 varies several-fold, so a step count calibrated at launch would end the run far
@@ -87,18 +90,32 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Mean over MoE layers of each layer's Switch balancing loss, E * sum_e f_e * P_e, with f_e the share
+    of the layer's top-k slots routed to expert e and P_e its mean router probability; router_logits: one
+    [tokens, E] per layer. Balanced routing gives top_k in every layer."""
+    losses = []
+    for logits in router_logits:
+        probs = logits.float().softmax(-1)  # [T, E]
+        E = probs.shape[-1]
+        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, E).float()  # [T, k, E]
+        losses.append(E * (chosen.mean(0) * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
 def train_step(model: Qwen3MoeForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainConfig) -> tuple[float, float]:
     """One optimizer step on ``batch`` [B, S + 1]; returns (lm loss, aux loss)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
     lm_loss = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
-    loss = lm_loss + model.config.router_aux_loss_coef * out.aux_loss
+    aux = layer_balance_loss(out.router_logits, model.config.num_experts_per_tok)
+    loss = lm_loss + model.config.router_aux_loss_coef * aux
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
-    return lm_loss.item(), out.aux_loss.item()
+    return lm_loss.item(), aux.item()
 
 
 @torch.no_grad()
