@@ -22,7 +22,7 @@
 #   bash build_scripts/make_base.sh fresh-ship     # both into the assets, then the drafter's family, profile, report
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
 # DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3),
-# AUX_COEF (0.03, the router load-balancing weight of the fresh segments).
+# AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
@@ -119,7 +119,7 @@ fresh-drafter)
     2>&1 | tee -a runs/logs/eagle3_fresh.log ;;
 fresh-stage)
   # the drafter's export is unpruned (the draft vocabulary is pruned when shipped, drafter_family)
-  rm -rf "$STAGE" && mkdir -p "$STAGE"
+  rm -rf "$STAGE/target" "$STAGE/eagle3" && mkdir -p "$STAGE"  # (its README stays)
   python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$STAGE/target"
   python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh" --target "$STAGE/target" \
     --out "$STAGE/eagle3" ;;
