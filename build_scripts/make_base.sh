@@ -20,21 +20,24 @@
 #   bash build_scripts/make_base.sh fresh-stage    # both exports into checkpoints/moespec-base-fresh/ (committed: a
 #                                                  # later machine, with no runs/, resumes or ships from them)
 #   bash build_scripts/make_base.sh fresh-ship     # both into the assets, then the drafter's family, profile, report
+#                                                  # (REPORTED=1: the report ran beside the drafter, `report` below)
+#   bash build_scripts/make_base.sh report         # the report and layer ablation of TARGET (default: the shipped one)
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
 # DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3),
-# AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss).
+# AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss), TARGET (report's), REPORTED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
 A=trtllm_moespec/assets/moespec-base
 R=runs/base
 mkdir -p runs/logs
-step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter|fresh|fresh-drafter|fresh-stage|fresh-ship}"
+step="${1:?usage: make_base.sh tokenizer|target|drafter-early|resume|family|drafter-resume|family-drafter|fresh|fresh-drafter|fresh-stage|fresh-ship|report}"
 FRESH_LAYERS=2-5,8-11,14-17,20-23  # the up-scaling's fresh layers (training/upscale.py), started as identities
 STAGE=checkpoints/moespec-base-fresh  # the fresh cycle's exports between machines (fresh-stage), until shipped
 
-staged() {  # staged NAME FALLBACK -> the staged export NAME (target, eagle3) when one is committed, else FALLBACK
-  if [[ -f "$STAGE/$1/config.json" ]]; then echo "$STAGE/$1"; else echo "$2"; fi
+staged() {  # staged NAME FALLBACK -> the staged export NAME (target, eagle3) when one is committed and not yet
+  # superseded by a later ship (fresh-ship marks it: deleting ~90 MB in the ship's own submission passes its size limit)
+  if [[ -f "$STAGE/$1/config.json" && ! -f "$STAGE/SUPERSEDED" ]]; then echo "$STAGE/$1"; else echo "$2"; fi
 }
 
 # A run continues from its checkpoint when one is here (a new cosine segment), else starts from $2's export.
@@ -46,11 +49,18 @@ segment() {  # segment RUN_DIR INIT_FROM MINUTES LR -> the flags of a new or res
   fi
 }
 
+# What the target is made of (held-out loss, routing, every expert and layer ablated): TARGET, the shipped one by
+# default; `TARGET=runs/base/target_fresh_export make_base.sh report` runs it beside the drafter's last segment.
+report() {
+  local t="${TARGET:-$A/target}"
+  python build_scripts/train_model.py $F report --target "$t" --predictor "$A/predictor" --reps 3 --ablation-windows 2 \
+    --threads 1 --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
+  python -m benchmarks.layer_ablation --target "$t" --group $FRESH_LAYERS --threads 1 \
+    --json benchmarks/results/base/layer_ablation.json 2>&1 | tee runs/logs/layer_ablation.log
+}
+
 report_and_profile() {
-  python build_scripts/train_model.py $F report --predictor "$A/predictor" --reps 3 --ablation-windows 2 --threads 1 \
-    --out benchmarks/results/base/report.json 2>&1 | tee runs/logs/base_report.log
-  python -m benchmarks.layer_ablation --group $FRESH_LAYERS --threads 1 --json benchmarks/results/base/layer_ablation.json \
-    2>&1 | tee runs/logs/layer_ablation.log
+  if [[ -z "${REPORTED:-}" ]]; then report; fi  # REPORTED=1: `report` already ran on this target
   # the tree the model ships with (its default: LLM, the CLI and the benchmarks draft the tree its profile names):
   # 6,8,32 over EAGLE's 4,8,32, where half of joint's speculative steps accepted the whole depth 4 (runs/tree)
   moespec profile --model moespec-base --tree 6,8,32 --repeats 40 --out "$A/cost_profile.json" \
@@ -117,6 +127,8 @@ fresh-drafter)
   python build_scripts/train_model.py $F eagle3 --target "$T" --out "$R/eagle3_fresh" \
     --threads "${THREADS:-1}" $(segment "$R/eagle3_fresh" "$(staged eagle3 "$A/eagle3")" "${DRAFTER_MIN:-60}" "${DRAFTER_LR:-1e-3}") \
     2>&1 | tee -a runs/logs/eagle3_fresh.log ;;
+report)
+  report ;;
 fresh-stage)
   # the drafter's export is unpruned (the draft vocabulary is pruned when shipped, drafter_family)
   rm -rf "$STAGE/target" "$STAGE/eagle3" && mkdir -p "$STAGE"  # (its README stays)
@@ -127,6 +139,7 @@ fresh-ship)
   # from this machine's runs when they are here, else from the staged exports of an earlier machine
   if [[ -f "$R/target_fresh/ckpt/progress.json" ]]; then
     python build_scripts/train_model.py $F export-target --run "$R/target_fresh"
+    if [[ -d "$STAGE" ]]; then date -u +%FT%TZ > "$STAGE/SUPERSEDED"; fi  # the shipped target is newer than the staged
   else
     cp "$STAGE"/target/* "$A/target/"
   fi

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 
-from trtllm_moespec.training.ablation import ablate
+from trtllm_moespec.training.ablation import ablate, ablate_where_routed, routed_counts
 from trtllm_moespec.training.target import TargetShape, make_config
 from trtllm_moespec.training.upscale import _copy_expert_half, warm_start
 
@@ -91,3 +91,20 @@ def test_ablation_finds_a_dead_layer_and_a_dead_expert() -> None:
     assert sum(d != 0 for d in report.expert_delta[0]) == 3
     assert abs(sum(report.expert_share[0]) - 1.0) < 1e-9
     assert report.summary()["experts_changing_loss"] == 3
+
+
+def test_an_expert_no_fixed_window_reaches_is_judged_on_a_window_that_routes_to_it() -> None:
+    """Expert 3 of layer 0 gets tokens only in window 1: zeroed there it changes the loss; a dead one does not."""
+    model = _model(SMALL, 0)
+    windows = torch.randint(0, 64, (3, 17))
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.down_proj[1].zero_()  # a dead expert
+    counts = routed_counts(model, windows, batch_size=2)  # [W, L, E]
+    assert counts.shape == (3, 2, 4) and (counts.sum(-1) == 16 * 2).all()  # every token routes top-2 per layer
+    rows = {(r.layer, r.expert): r for r in ablate_where_routed(model, windows, progress=False)}
+    assert len(rows) == 8 and rows[(0, 1)].loss_delta == 0.0 and rows[(0, 1)].top1_changed == 0
+    for (l, e), r in rows.items():
+        assert r.window == int(counts[:, l, e].argmax()) and r.window_pairs == int(counts[r.window, l, e])
+        assert r.total_pairs == int(counts[:, l, e].sum())
+        if (l, e) != (0, 1) and r.window_pairs:
+            assert r.loss_delta != 0.0

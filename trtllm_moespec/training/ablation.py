@@ -9,7 +9,8 @@ whose removal changes nothing. This measures both on held-out windows:
   so the tokens routed to it lose its contribution.
 
 Reported as the held-out loss increase of each ablation (nats/token) and, per expert, the share of
-routed (token, slot) pairs it receives.
+routed (token, slot) pairs it receives. A rarely routed expert may receive none of a few ablation windows'
+tokens; `ablate_where_routed` zeroes each expert on the held-out window that routes most tokens to it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,59 @@ def expert_shares(model: torch.nn.Module, windows: torch.Tensor) -> list[list[fl
     num_experts = model.config.num_experts
     counts = torch.stack([torch.bincount(topk[:, :, l].flatten(), minlength=num_experts) for l in range(topk.shape[2])])
     return (counts.double() / counts.sum(-1, keepdim=True)).tolist()
+
+
+@torch.no_grad()
+def routed_counts(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """[W, L, E] routed (token, slot) pairs per window, layer and expert (the router's top-k)."""
+    from .routing import RouterTrace
+
+    num_experts, counts = model.config.num_experts, []
+    for chunk in windows.split(batch_size):
+        with RouterTrace(model) as trace:
+            model(input_ids=chunk[:, :-1], use_cache=False)
+            topk = trace.topk_ids(chunk.shape[0])  # [w, S, L, K]
+        counts.append(F.one_hot(topk, num_experts).sum(dim=(1, 3)))  # [w, L, E]
+    return torch.cat(counts)
+
+
+@dataclass(frozen=True)
+class WhereRouted:
+    """One expert zeroed on the window that routes most tokens to it."""
+
+    layer: int
+    expert: int
+    window: int  # index into the windows
+    window_pairs: int  # (token, slot) pairs that window routes to the expert
+    total_pairs: int  # over all windows
+    loss_delta: float  # nats/token on that window
+    top1_changed: int  # positions of that window whose top-1 prediction changes
+
+
+@torch.no_grad()
+def ablate_where_routed(model: torch.nn.Module, windows: torch.Tensor, progress: bool = True) -> list[WhereRouted]:
+    """Every expert zeroed in turn on the window [1, S + 1] of ``windows`` that routes most tokens to it."""
+    from tqdm import tqdm
+
+    model.eval()
+    counts = routed_counts(model, windows)  # [W, L, E]
+    best = counts.argmax(0)  # [L, E]
+    base: dict[int, torch.Tensor] = {}  # window -> intact logits [S, V]
+    rows = []
+    num_layers, num_experts = best.shape
+    for l, e in tqdm([(l, e) for l in range(num_layers) for e in range(num_experts)], desc="experts where routed",
+                     disable=not progress, mininterval=10):
+        w = int(best[l, e])
+        window = windows[w:w + 1]
+        if w not in base:
+            base[w] = model(input_ids=window[:, :-1], use_cache=False).logits[0].float()
+        with _zero_expert(model, l, e):
+            logits = model(input_ids=window[:, :-1], use_cache=False).logits[0].float()
+        labels = window[0, 1:]
+        delta = F.cross_entropy(logits, labels).item() - F.cross_entropy(base[w], labels).item()
+        rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), delta,
+                                int((logits.argmax(-1) != base[w].argmax(-1)).sum())))
+    return rows
 
 
 @torch.no_grad()
