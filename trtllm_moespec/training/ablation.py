@@ -121,21 +121,23 @@ def ablate_where_routed(model: torch.nn.Module, windows: torch.Tensor, progress:
     model.eval()
     counts = routed_counts(model, windows)  # [W, L, E]
     best = counts.argmax(0)  # [L, E]
-    base: dict[int, torch.Tensor] = {}  # window -> intact logits [S, V]
+    intact: dict[int, tuple[float, torch.Tensor]] = {}  # window -> (loss, top-1 [S]) with nothing removed
+
+    def loss_and_top1(w: int) -> tuple[float, torch.Tensor]:
+        logits = model(input_ids=windows[w:w + 1, :-1], use_cache=False).logits[0].float()  # [S, V]
+        return F.cross_entropy(logits, windows[w, 1:]).item(), logits.argmax(-1)
+
     rows = []
     num_layers, num_experts = best.shape
     for l, e in tqdm([(l, e) for l in range(num_layers) for e in range(num_experts)], desc="experts where routed",
                      disable=not progress, mininterval=10):
         w = int(best[l, e])
-        window = windows[w:w + 1]
-        if w not in base:
-            base[w] = model(input_ids=window[:, :-1], use_cache=False).logits[0].float()
+        if w not in intact:
+            intact[w] = loss_and_top1(w)
         with _zero_expert(model, l, e):
-            logits = model(input_ids=window[:, :-1], use_cache=False).logits[0].float()
-        labels = window[0, 1:]
-        delta = F.cross_entropy(logits, labels).item() - F.cross_entropy(base[w], labels).item()
-        rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), delta,
-                                int((logits.argmax(-1) != base[w].argmax(-1)).sum())))
+            loss, top1 = loss_and_top1(w)
+        rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), loss - intact[w][0],
+                                int((top1 != intact[w][1]).sum())))
     return rows
 
 
