@@ -74,19 +74,6 @@ def _zero_expert(model: torch.nn.Module, layer: int, expert: int):
 
 
 @torch.no_grad()
-def expert_shares(model: torch.nn.Module, windows: torch.Tensor) -> list[list[float]]:
-    """[L][E] share of routed (token, slot) pairs per expert (router top-k over the windows)."""
-    from .routing import RouterTrace
-
-    with RouterTrace(model) as trace:
-        model(input_ids=windows[:, :-1], use_cache=False)
-        topk = trace.topk_ids(windows.shape[0])  # [W, S, L, K]
-    num_experts = model.config.num_experts
-    counts = torch.stack([torch.bincount(topk[:, :, l].flatten(), minlength=num_experts) for l in range(topk.shape[2])])
-    return (counts.double() / counts.sum(-1, keepdim=True)).tolist()
-
-
-@torch.no_grad()
 def routed_counts(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """[W, L, E] routed (token, slot) pairs per window, layer and expert (the router's top-k)."""
     from .routing import RouterTrace
@@ -98,6 +85,12 @@ def routed_counts(model: torch.nn.Module, windows: torch.Tensor, batch_size: int
             topk = trace.topk_ids(chunk.shape[0])  # [w, S, L, K]
         counts.append(F.one_hot(topk, num_experts).sum(dim=(1, 3)))  # [w, L, E]
     return torch.cat(counts)
+
+
+def expert_shares(model: torch.nn.Module, windows: torch.Tensor) -> list[list[float]]:
+    """[L][E] share of routed (token, slot) pairs per expert (router top-k over the windows)."""
+    counts = routed_counts(model, windows).sum(0)  # [L, E]
+    return (counts.double() / counts.sum(-1, keepdim=True)).tolist()
 
 
 @dataclass(frozen=True)
