@@ -13,8 +13,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 
 def summarize(rows: list) -> dict:
     """The summary of `ablate_where_routed`'s rows."""
@@ -28,10 +26,8 @@ def summarize(rows: list) -> dict:
 
 
 def main(argv=None) -> dict:
-    from transformers import AutoModelForCausalLM
-
+    from benchmarks.layer_ablation import target_and_heldout
     from trtllm_moespec.training.ablation import ablate_where_routed
-    from trtllm_moespec.training.data import contiguous_windows, load_streams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="trtllm_moespec/assets/moespec-base/target")
@@ -41,9 +37,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    windows = contiguous_windows(load_streams(Path(args.data)).heldout, args.window_tokens, args.max_windows)
+    model, windows = target_and_heldout(args.target, args.data, args.window_tokens, args.max_windows, args.threads)
     rows = ablate_where_routed(model, windows)
     for r in rows:
         if r.loss_delta == 0 or r.top1_changed == 0:

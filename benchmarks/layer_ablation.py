@@ -33,11 +33,19 @@ def _compare(base_logits: torch.Tensor, logits: torch.Tensor, labels: torch.Tens
             "top1_changed": (logits.argmax(-1) != base_logits.argmax(-1)).float().mean().item()}
 
 
-def main(argv=None) -> dict:
+def target_and_heldout(target: str, data: str, window_tokens: int, max_windows: int | None, threads: int):
+    """The target (fp32, eval) and contiguous held-out windows [W, window_tokens + 1] of its family's corpus."""
     from transformers import AutoModelForCausalLM
 
-    from trtllm_moespec.training.ablation import skip_layer
     from trtllm_moespec.training.data import contiguous_windows, load_streams
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return model, contiguous_windows(load_streams(Path(data)).heldout, window_tokens, max_windows)
+
+
+def main(argv=None) -> dict:
+    from trtllm_moespec.training.ablation import skip_layer
     from trtllm_moespec.training.target import parse_layers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,9 +57,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    windows = contiguous_windows(load_streams(Path(args.data)).heldout, args.window_tokens, args.windows)
+    model, windows = target_and_heldout(args.target, args.data, args.window_tokens, args.windows, args.threads)
     labels = windows[:, 1:]
     base_logits = _logits(model, windows)
     base_loss = F.cross_entropy(base_logits.flatten(0, 1), labels.flatten()).item()
