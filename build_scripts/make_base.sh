@@ -40,6 +40,12 @@ staged() {  # staged NAME FALLBACK -> the staged export NAME (target, eagle3) wh
   if [[ -f "$STAGE/$1/config.json" && ! -f "$STAGE/SUPERSEDED" ]]; then echo "$STAGE/$1"; else echo "$2"; fi
 }
 
+from_stage() {  # from_stage NAME -> the staged export NAME; fails when none is committed or it is superseded
+  local d; d="$(staged "$1" "")"
+  if [[ -z "$d" ]]; then echo "no run here and no current staged $1 in $STAGE to ship" >&2; exit 2; fi
+  echo "$d"
+}
+
 # A run continues from its checkpoint when one is here (a new cosine segment), else starts from $2's export.
 segment() {  # segment RUN_DIR INIT_FROM MINUTES LR -> the flags of a new or resumed segment
   if [[ -f "$1/ckpt/progress.json" ]]; then
@@ -141,12 +147,14 @@ fresh-ship)
     python build_scripts/train_model.py $F export-target --run "$R/target_fresh"
     if [[ -d "$STAGE" ]]; then date -u +%FT%TZ > "$STAGE/SUPERSEDED"; fi  # the shipped target is newer than the staged
   else
-    cp "$STAGE"/target/* "$A/target/"
+    src="$(from_stage target)"  # its own statement, so set -e stops here when there is nothing to ship
+    cp "$src"/* "$A/target/"
   fi
   if [[ -f "$R/eagle3_fresh/ckpt/progress.json" ]]; then
     python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh"
   else
-    rm -rf "$A/eagle3" && cp -r "$STAGE/eagle3" "$A/eagle3"
+    src="$(from_stage eagle3)"
+    rm -rf "$A/eagle3" && cp -r "$src" "$A/eagle3"
   fi
   drafter_family
   report_and_profile ;;

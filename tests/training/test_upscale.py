@@ -94,7 +94,8 @@ def test_ablation_finds_a_dead_layer_and_a_dead_expert() -> None:
 
 
 def test_an_expert_no_fixed_window_reaches_is_judged_on_a_window_that_routes_to_it() -> None:
-    """Expert 3 of layer 0 gets tokens only in window 1: zeroed there it changes the loss; a dead one does not."""
+    """Each expert is judged on the window that routes most pairs to it: there every routed expert changes the
+    loss, and a dead one (output zeroed) does not."""
     model = _model(SMALL, 0)
     windows = torch.randint(0, 64, (3, 17))
     with torch.no_grad():
