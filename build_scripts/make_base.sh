@@ -17,7 +17,7 @@
 #                                                  # when its checkpoint is here), exported to runs/base/target_fresh_export
 #   bash build_scripts/make_base.sh fresh-drafter  # the drafter follows that export (warm-started from the shipped
 #                                                  # drafter, or resumed), DRAFTER_MIN minutes
-#   bash build_scripts/make_base.sh fresh-stage    # both exports into checkpoints/moespec-base-fresh/ (committed: a
+#   bash build_scripts/make_base.sh fresh-stage    # both exports into checkpoints/moespec-base-fresh/ (to commit: a
 #                                                  # later machine, with no runs/, resumes or ships from them)
 #   bash build_scripts/make_base.sh fresh-ship     # both into the assets, then the drafter's family, profile, report
 #                                                  # (REPORTED=1: the report ran beside the drafter, `report` below)
@@ -137,7 +137,7 @@ report)
   report ;;
 fresh-stage)
   # the drafter's export is unpruned (the draft vocabulary is pruned when shipped, drafter_family)
-  rm -rf "$STAGE/target" "$STAGE/eagle3" && mkdir -p "$STAGE"  # (its README stays)
+  rm -rf "$STAGE/target" "$STAGE/eagle3" "$STAGE/SUPERSEDED" && mkdir -p "$STAGE"
   python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$STAGE/target"
   python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_fresh" --target "$STAGE/target" \
     --out "$STAGE/eagle3" ;;
