@@ -1,13 +1,15 @@
 """A speculative step's overhead on this CPU, and where it goes (issue 25, goal: <= 1.0 ms).
 
 The overhead is the step minus the target's verify forward minus the drafter's forwards (as
-`bench_engine` measures it). Greedy eagle3 on the model's own tree, one request, 1 thread; the
-drafting step's bookkeeping compiled (models/eagle3/fused_step.py) and the torch/numpy path it
-replaces, interleaved in one process (same tokens, checked). Each variant's overhead is split into
+`bench_engine` measures it). Greedy, on the model's own tree, one request, 1 thread, every step
+speculative: eagle3 (`--policy`; or a cost-aware policy, whose node values, selection and their
+online update add to the step). The compiled host work (the drafting step, models/eagle3/fused_step.py;
+the node values, core/values_host.py) and the torch/numpy path it replaces, interleaved in one
+process (same tokens, checked). Each variant's overhead is split into
 the engine's timed parts: drafting bookkeeping (drafting minus the drafter's forwards), selection
 and layout (with the predictor's, if any), acceptance, the target cache's commit and the rest of the engine's step.
 
-    python -m benchmarks.bench_step_overhead [--model moespec-base] [--repeats 5] [--json PATH]
+    python -m benchmarks.bench_step_overhead [--model moespec-base] [--policy eagle3] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from benchmarks.bench_engine import _Timed
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 PARTS = ("drafting_bookkeeping_ms", "select_and_layout_ms", "accept_ms", "commit_ms", "engine_ms")
-VARIANTS = {"fused": "1", "reference": "0"}  # MOESPEC_FUSED_DRAFT
+SWITCHES = ("MOESPEC_FUSED_DRAFT", "MOESPEC_FUSED_VALUES")  # the compiled drafting step and node values
+VARIANTS = {"fused": "1", "reference": "0"}  # each variant's value of every switch
 
 
 def _run(llm, ids: list[int], params) -> dict:
@@ -53,33 +56,39 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--policy", default="eagle3",
+                    help="eagle3 (every node of the tree verified) or a cost-aware policy (joint: node values, "
+                         "its selection and their online update are part of its step; the guard is off)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    llm = LLM(args.model, policy="eagle3")  # the tree its cost profile names
+    # the tree its cost profile names; no guard: every step speculates
+    llm = LLM(args.model, policy=args.policy, guard="off")
     ids = llm.encode([PROMPT])[0]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    saved = os.environ.get("MOESPEC_FUSED_DRAFT")
+    saved = {k: os.environ.get(k) for k in SWITCHES}
     rows: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     try:
-        for name, flag in VARIANTS.items():  # warm-up (and the kernel's compilation)
-            os.environ["MOESPEC_FUSED_DRAFT"] = flag
+        for name, flag in VARIANTS.items():  # warm-up (and the kernels' compilation)
+            os.environ.update(dict.fromkeys(SWITCHES, flag))
             _run(llm, ids, params)
         for _ in range(args.repeats):  # interleaved, so machine drift hits both alike
             for name, flag in VARIANTS.items():
-                os.environ["MOESPEC_FUSED_DRAFT"] = flag
+                os.environ.update(dict.fromkeys(SWITCHES, flag))
                 rows[name].append(_run(llm, ids, params))
     finally:
-        if saved is None:
-            os.environ.pop("MOESPEC_FUSED_DRAFT", None)
-        else:
-            os.environ["MOESPEC_FUSED_DRAFT"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if rows["fused"][0]["token_ids"] != rows["reference"][0]["token_ids"]:
-        raise SystemExit("the two drafting paths decoded different tokens")
+        raise SystemExit("the compiled and the reference paths decoded different tokens")
     keys = ("step_ms", "target_ms", "drafter_forward_ms", "overhead_ms", *PARTS, "verified_tokens")
     r = {name: {k: statistics.median(row[k] for row in rs) for k in keys} for name, rs in rows.items()}
-    r.update(model=args.model, tree=list(llm.engine.tree.as_tuple()), tokens=args.tokens, repeats=args.repeats,
+    r.update(model=args.model, policy=args.policy, tree=list(llm.engine.tree.as_tuple()), tokens=args.tokens,
+             repeats=args.repeats,
              goal_overhead_ms=1.0, load_average=os.getloadavg()[0], torch=torch.__version__)
-    print(f"speculative-step overhead on {args.model}, tree {r['tree']} (median of {args.repeats}, interleaved; "
+    print(f"speculative-step overhead on {args.model}, {args.policy}, tree {r['tree']} (median of {args.repeats}, interleaved; "
           f"load average {r['load_average']:.1f})")
     for name in VARIANTS:
         v = r[name]

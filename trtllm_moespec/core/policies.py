@@ -39,8 +39,8 @@ import torch
 from .cost import CostTable, ExpertCostModel
 from .experts import ExpertSets
 from .placement import ExpertPlacement
-from .select import evict_select, greedy_expert_select, joint_prefix, joint_token_cost, path_bits
-from .tree import DraftTree, gather_nodes, score_order, top_k_nodes
+from .select import evict_select, evict_select_host, greedy_expert_select, joint_prefix, joint_token_cost, path_bits
+from .tree import DraftTree, _score_order_host, gather_nodes, score_order, top_k_nodes
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,20 @@ class SelectionPolicy(ABC):
 
 def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cost: torch.Tensor | None) -> Selection:
     """Selection = the first k[b] entries of order[b] (numpy inside: these tensors are tiny)."""
-    device = order.device
-    o, kk = order.cpu().numpy(), k.cpu().numpy()
+    return _prefix_selection(order.cpu().numpy(), k.cpu().numpy(), scores.detach().cpu().numpy(), cost, order.device)
+
+
+def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.Tensor | np.ndarray | None,
+                      device: torch.device) -> Selection:
+    """`_from_prefix` on numpy arrays: order o [B, M], k kk [B], scores s [B, N] (float32), cost [B] or None."""
     keep = np.arange(o.shape[1]) < kk[:, None]
-    s = scores.detach().cpu().numpy()
     picked = s[np.arange(len(kk))[:, None], np.maximum(o, 0)] if s.shape[1] else np.zeros(o.shape)
     expected = 1.0 + np.where(keep, picked, 0).sum(1, dtype=np.float64)  # float64 sum of the float32 scores
     to = torch.from_numpy if device.type == "cpu" else (lambda a: torch.from_numpy(a).to(device))  # noqa: E731
-    cost = cost if cost is not None else torch.full((len(kk),), math.nan, dtype=torch.float64, device=device)
+    if cost is None:
+        cost = torch.full((len(kk),), math.nan, dtype=torch.float64, device=device)
+    elif isinstance(cost, np.ndarray):
+        cost = to(np.ascontiguousarray(cost))
     return Selection(to(np.where(keep, o, -1)), to(keep.sum(1).astype(np.int64)), to(expected), cost)
 
 
@@ -139,11 +145,24 @@ class EvictPolicy(SelectionPolicy):
 
 def _evict(tree: DraftTree, scores: torch.Tensor, table: CostTable, budget: int | None) -> Selection:
     cap = table.max_nodes if budget is None else min(budget, table.max_nodes)
+    if tree.token_ids.device.type == "cpu" and tree.num_nodes:
+        return _evict_host(tree, scores, table, cap)
     order = score_order(tree)[:, :cap]
     sorted_scores = gather_nodes(scores, order, 0.0)
     num_valid = torch.clamp(tree.valid.sum(1), max=cap)
     k, _, cost = evict_select(sorted_scores, num_valid, table.as_tensor(tree.token_ids.device))
     return _from_prefix(order, k, scores, cost)
+
+
+def _evict_host(tree: DraftTree, scores: torch.Tensor, table: CostTable, cap: int) -> Selection:
+    """`_evict` on a CPU tree in numpy throughout (the same order, prefix and costs; a few torch ops fewer
+    per step, which is most of what selecting costs on the CPU)."""
+    order = _score_order_host(tree)[0][:, :cap]
+    s = scores.detach().numpy()
+    sorted_scores = np.take_along_axis(s, order, axis=1).astype(np.float64)
+    num_valid = np.minimum(tree.valid.numpy().sum(1), cap)
+    k, _, cost = evict_select_host(sorted_scores, num_valid, np.asarray(table.costs, dtype=np.float64))
+    return _prefix_selection(order, k, s, cost, tree.token_ids.device)
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,15 @@ def evict_select(
     Only k <= min(num_valid, K, N) is considered; ties go to the smallest k.
     """
     device = sorted_scores.device
-    scores = sorted_scores.detach().cpu().double().numpy()
-    n_valid = num_valid.detach().cpu().numpy()
-    cost = cost_table.detach().cpu().double().numpy()
+    k_star, expected, cost = evict_select_host(sorted_scores.detach().cpu().double().numpy(),
+                                               num_valid.detach().cpu().numpy(), cost_table.detach().cpu().double().numpy())
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return to(k_star), to(expected), to(cost)
+
+
+def evict_select_host(scores: np.ndarray, n_valid: np.ndarray, cost: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`evict_select` on numpy arrays: scores [B, N] float64 in score order, n_valid [B], cost [K+1] float64."""
     B, N = scores.shape
     K = min(N, cost.shape[0] - 1)
     ks = np.arange(K + 1)
@@ -57,8 +63,7 @@ def evict_select(
     utility = np.where(live, expected / cost[None, : K + 1], -np.inf)
     k_star = utility.argmax(1)  # first maximum
     rows = np.arange(B)
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return to(k_star.astype(np.int64)), to(expected[rows, k_star]), to(cost[k_star])
+    return k_star.astype(np.int64), expected[rows, k_star], cost[k_star]
 
 
 def path_bits(node_bits: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:

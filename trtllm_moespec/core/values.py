@@ -38,13 +38,13 @@ from .device import to_device
 from .node_features import RecentFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
+from .values_host import MIN_COND, compiled_values
 
 VALUE_KINDS = ("raw", "calibrated", "head")
 CALIBRATOR_FORMAT = "moespec-value-calibrator"
 # Local-score bin edges: drafter probabilities crowd near 0, so the low bins are narrow.
 DEFAULT_EDGES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
                  0.9, 1.0)
-MIN_COND = 1e-6  # keeps log(value) finite
 
 
 class RequestValues(Protocol):
@@ -97,21 +97,25 @@ def observed_trials(tree: DraftTree, node_idx: torch.Tensor, accepted_nodes: tor
     """
     rows, nodes, depths, hits = [], [], [], []
     parents, depth = tree.parents.cpu().numpy(), tree.depth.cpu().numpy()
-    sel, acc = node_idx.cpu().numpy(), accepted_nodes.cpu().numpy()
-    for b in range(sel.shape[0]):
-        accepted = set(int(a) for a in acc[b] if a >= 0)
-        for v in sel[b]:
-            if v < 0:
-                continue
-            p = int(parents[b, v])
+    sel, acc = node_idx.cpu().tolist(), accepted_nodes.cpu().tolist()  # a few dozen ints: Python lists
+    for b in range(len(sel)):
+        accepted = set(a for a in acc[b] if a >= 0)
+        verified = [v for v in sel[b] if v >= 0]
+        for v, p, d in zip(verified, parents[b, verified].tolist(), depth[b, verified].tolist()):
             if p == -1 or p in accepted:
-                rows.append(b), nodes.append(int(v)), depths.append(int(depth[b, v])), hits.append(int(v) in accepted)
+                rows.append(b), nodes.append(v), depths.append(d), hits.append(v in accepted)
     as_np = lambda x, t: np.asarray(x, dtype=t)  # noqa: E731
     return as_np(rows, np.int64), as_np(nodes, np.int64), as_np(depths, np.int64), as_np(hits, np.float64)
 
 
 def accepted_nodes(node_idx: torch.Tensor, accepted_pos: torch.Tensor) -> torch.Tensor:
     """[B, D] tree idx of accepted nodes from a verify result's layout positions (1-based, -1 pad)."""
+    if node_idx.device.type == "cpu" and accepted_pos.device.type == "cpu":  # numpy: ~3x fewer microseconds
+        pos, idx = accepted_pos.numpy(), node_idx.numpy()
+        if not idx.shape[1]:
+            return torch.from_numpy(np.where(pos > 0, pos, -1))
+        picked = np.take_along_axis(idx, np.maximum(pos, 1) - 1, axis=1)
+        return torch.from_numpy(np.where(pos > 0, picked, -1))
     pos = accepted_pos.clamp(min=1) - 1
     return torch.where(accepted_pos > 0, node_idx.gather(1, pos) if node_idx.shape[1] else accepted_pos, -1)
 
@@ -290,6 +294,10 @@ def _bin_counts(edges: np.ndarray, group: np.ndarray, score: np.ndarray, hit: np
     return trials, acc
 
 
+def _centers(edges: np.ndarray) -> np.ndarray:
+    return (edges[:-1] + edges[1:]) / 2
+
+
 @dataclass
 class OnlineCalibration:
     """A calibrator's running state for one request: prior + this request's trials, refit lazily."""
@@ -305,8 +313,13 @@ class OnlineCalibration:
         if self._maps is None:
             self._maps = np.zeros_like(self.trials)
             self._stale = set(range(self.trials.shape[0]))
+        kernels = compiled_values()
         for g in self._stale:
-            self._maps[g] = isotonic_fit(self.accepted[g] / np.maximum(self.trials[g], 1e-12), self.trials[g])
+            rate = self.accepted[g] / np.maximum(self.trials[g], 1e-12)
+            if kernels is None:
+                self._maps[g] = isotonic_fit(rate, self.trials[g])
+            else:
+                kernels[1](rate, self.trials[g], self._maps[g])
         self._stale = set()
         return self._maps
 
@@ -314,7 +327,7 @@ class OnlineCalibration:
         """Conditional acceptance of nodes of these groups with these local scores, interpolated linearly
         between bin centres (monotone in the score within every group)."""
         maps = self.maps()
-        centers = (self.edges[:-1] + self.edges[1:]) / 2
+        centers = _centers(self.edges)
         x = np.clip(score, centers[0], centers[-1])
         hi = np.clip(np.searchsorted(centers, x, side="right"), 1, len(centers) - 1)
         w = (x - centers[hi - 1]) / (centers[hi] - centers[hi - 1])
@@ -324,9 +337,14 @@ class OnlineCalibration:
     def update(self, group: np.ndarray, score: np.ndarray, hit: np.ndarray) -> None:
         if len(group) == 0:
             return
-        t, a = _bin_counts(self.edges, group, score, hit, self.trials.shape[0])
-        self.trials, self.accepted = self.trials + t, self.accepted + a
-        self._stale |= set(np.unique(group).tolist())
+        # a step observes a few trials: added one by one in place (the arrays are this request's own)
+        bins = np.clip(np.searchsorted(self.edges, np.asarray(score, dtype=np.float64), side="right") - 1, 0,
+                       len(self.edges) - 2)
+        groups = np.asarray(group).tolist()
+        for g, m, h in zip(groups, bins.tolist(), np.asarray(hit, dtype=np.float64).tolist()):
+            self.trials[g, m] += 1.0
+            self.accepted[g, m] += h
+        self._stale |= set(groups)
 
 
 # ---------------------------------------------------------------------------------------------- value models
@@ -384,6 +402,11 @@ class _CalibratedRequest:
         # host code from here on: a device tree is read back once, not once per feature
         host = tree.on_host()
         local = self.model.local(host, draft, context).detach().float().cpu()
+        kernels = compiled_values() if host.batch_size == 1 else None
+        if kernels is not None:
+            out = self._compiled_values(host, local, context, kernels[0])
+            if out is not None:
+                return to_device(out, tree.token_ids.device)
         groups = self.model.calibrator.node_groups(host, context, self._index)
         self._last = (local, groups)
         cond = np.ones(tuple(host.token_ids.shape))
@@ -391,6 +414,23 @@ class _CalibratedRequest:
         if valid.any():
             cond[valid] = self.state.conditional(groups[valid], local.double().numpy()[valid])
         return to_device(path_values(host, torch.from_numpy(cond)), tree.token_ids.device)
+
+    def _compiled_values(self, host: DraftTree, local: torch.Tensor, context: list[int] | None, kernel
+                         ) -> torch.Tensor | None:
+        """`values` of a batch of one in one compiled call (values_host.py); None when the tree's nodes
+        are not in parent-first order (the numpy path then runs)."""
+        cal = self.model.calibrator
+        N = host.num_nodes
+        copies = (copies_recent(host, context, index=self._index) if (cal.copy and context)
+                  else np.zeros(N, dtype=np.int64))
+        groups, values = np.empty(N, dtype=np.int64), np.empty(N, dtype=np.float32)
+        ok = kernel(host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
+                    local[0].double().numpy(), host.valid[0].numpy(), copies, self.state.maps(),
+                    _centers(self.state.edges), cal.num_depths, cal.num_ranks, cal.copy, groups, values)
+        if not ok:
+            return None
+        self._last = (local, groups[None])
+        return torch.from_numpy(values[None])
 
     def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
         if not self.model.online or self._last is None or self._last[0].shape != tree.token_ids.shape:

@@ -221,8 +221,8 @@ class _TreeDraft:
     def _fused_grow(self, probs: torch.Tensor, hidden: torch.Tensor, frontier: np.ndarray, is_root: bool = False) -> None:
         """`grow_step` on this tree's buffers: probs [F, V_draft] and hidden [F, H] of the frontier's rows."""
         n, m = self.nodes._take(probs.shape[0] * self.topk)
-        self._fused(probs.numpy(), hidden.numpy(), frontier, self._target_ids, self.topk, n, self.num_slots,
-                    self.start, is_root, *self._buffers)
+        self._num_next = self._fused(probs.numpy(), hidden.numpy(), frontier, self._target_ids, self.topk, n,
+                                     self.num_slots, self.start, is_root, *self._buffers)
         self.nodes.num_nodes = m
 
     def expands(self, ddd_threshold: float | None, should_expand: ExpandRule | None) -> bool:
@@ -233,7 +233,8 @@ class _TreeDraft:
             self.f = self.frontier[0]
             self.rows, self.width = self.f.clamp(min=0), self.f.numel()
             return True
-        f = _valid(self.frontier[0])
+        # the compiled step returned how many of its frontier entries are real (they come first)
+        f = torch.from_numpy(self._next[:self._num_next].copy()) if self._fused is not None else _valid(self.frontier[0])
         self.stopped = (f.numel() == 0
                         or (ddd_threshold is not None and bool(ddd_should_stop(self.nodes.tree().scores[:, f], ddd_threshold)[0]))
                         or (should_expand is not None and not should_expand(self.nodes.tree(), f)))
