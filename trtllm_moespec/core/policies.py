@@ -40,6 +40,7 @@ from .cost import CostTable, ExpertCostModel
 from .experts import ExpertSets
 from .placement import ExpertPlacement
 from .select import evict_select, evict_select_host, greedy_expert_select, joint_prefix, joint_token_cost, path_bits
+from .select_host import compiled_evict
 from .tree import DraftTree, _score_order_host, gather_nodes, score_order, top_k_nodes
 
 
@@ -157,11 +158,16 @@ def _evict(tree: DraftTree, scores: torch.Tensor, table: CostTable, budget: int 
 def _evict_host(tree: DraftTree, scores: torch.Tensor, table: CostTable, cap: int) -> Selection:
     """`_evict` on a CPU tree in numpy throughout (the same order, prefix and costs; a few torch ops fewer
     per step, which is most of what selecting costs on the CPU)."""
+    s, costs = scores.detach().numpy(), np.asarray(table.costs, dtype=np.float64)
+    kernel = compiled_evict() if tree.batch_size == 1 else None
+    if kernel is not None:  # the top `cap` and k* in one compiled pass (select_host.py)
+        order = np.empty((1, min(cap, tree.num_nodes)), dtype=np.int64)
+        k = kernel(tree.log_scores[0].numpy(), s[0], tree.depth[0].numpy(), tree.valid[0].numpy(), costs, order[0])
+        return _prefix_selection(order, np.array([k]), s, costs[[k]], tree.token_ids.device)
     order = _score_order_host(tree)[0][:, :cap]
-    s = scores.detach().numpy()
     sorted_scores = np.take_along_axis(s, order, axis=1).astype(np.float64)
     num_valid = np.minimum(tree.valid.numpy().sum(1), cap)
-    k, _, cost = evict_select_host(sorted_scores, num_valid, np.asarray(table.costs, dtype=np.float64))
+    k, _, cost = evict_select_host(sorted_scores, num_valid, costs)
     return _prefix_selection(order, k, s, cost, tree.token_ids.device)
 
 

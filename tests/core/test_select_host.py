@@ -1,0 +1,59 @@
+"""EVICT's compiled selection (core/select_host.py) against the numpy path it replaces: the same nodes
+in the same order and the same k*, expected tokens and cost, on random trees with ties in score and
+depth, with and without a node cap."""
+
+from unittest.mock import patch
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from trtllm_moespec.core import CostTable, DraftTree, make_policy
+from trtllm_moespec.core import policies
+from trtllm_moespec.core.select_host import compiled_evict
+
+from .strategies import random_eagle_tree, random_tree, seeds
+
+pytest.importorskip("numba")
+
+
+def _tied(tree: DraftTree, rng: np.random.Generator) -> DraftTree:
+    """Round the scores to a coarse grid: many nodes tie in score, some in score and depth."""
+    log = torch.where(tree.valid, torch.log(torch.round(tree.scores * 8) / 8 + 1e-3), tree.log_scores)
+    return DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs, log, tree.valid)
+
+
+def _table(rng: np.random.Generator, n: int) -> CostTable:
+    steps = rng.uniform(0.0, 2.0, n + 1)
+    steps[1] += rng.uniform(0, 8)  # the first verified node costs most (MoE: its experts)
+    return CostTable(tuple(np.cumsum(steps) + 10.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_compiled_evict_selects_as_the_numpy_path(seed):
+    assert compiled_evict() is not None, "numba is installed: the compiled selection must be on"
+    rng = np.random.default_rng(seed)
+    tree = random_eagle_tree(rng, 1, int(rng.integers(1, 5)), int(rng.integers(1, 5)), vocab=12) \
+        if seed % 2 else random_tree(rng, 1, int(rng.integers(1, 30)), vocab=5)
+    if seed % 3 == 0:
+        tree = _tied(tree, rng)
+    policy = make_policy("evict", cost_table=_table(rng, int(rng.integers(1, 40))),
+                         budget=None if seed % 4 else int(rng.integers(1, 10)))
+    got = policy.select(tree)
+    with patch.object(policies, "compiled_evict", lambda: None):
+        ref = policy.select(tree)
+    assert got.node_idx.tolist() == ref.node_idx.tolist()
+    assert torch.equal(got.num_selected, ref.num_selected)
+    assert torch.equal(got.expected_tokens, ref.expected_tokens) and torch.equal(got.predicted_cost, ref.predicted_cost)
+
+
+def test_a_tie_in_the_ratio_goes_to_the_smaller_prefix():
+    # one sure node: (1 + 1) / C(1) = 2 / 2 ties 1 / C(0) = 1 / 1, and one more: 3 / 3 ties too
+    tree = DraftTree.from_parents(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]), torch.tensor([[1.0, 1.0]]))
+    policy = make_policy("evict", cost_table=CostTable((1.0, 2.0, 3.0)))
+    got = policy.select(tree)
+    with patch.object(policies, "compiled_evict", lambda: None):
+        ref = policy.select(tree)
+    assert got.num_selected.tolist() == ref.num_selected.tolist() == [0]

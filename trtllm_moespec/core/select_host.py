@@ -1,0 +1,78 @@
+"""EVICT's selection on one CPU tree as one compiled call.
+
+`policies._evict` orders a tree's nodes by score (`tree.score_order`: a four-key lexsort over every
+node), reads the top `cap` scores and takes the prefix k* = argmax (1 + S_k) / C(k) (`select.evict_select`):
+about twenty numpy calls, ~0.2 ms of a speculative step on moespec-base's CPU (issue 25). A step needs
+the top few dozen of a few hundred nodes, so `evict_prefix` keeps the best `cap` in one pass (insertion
+into a sorted list, as EAGLE's top-k) and scans their prefixes, in one numba-compiled loop.
+
+The reference is the numpy path; tests/core/test_select_host.py checks the same order and k* on random
+trees, ties in score included. numba is optional: without it (or with MOESPEC_FUSED_VALUES=0, the switch
+of the other compiled step-host work, values_host.py) the numpy path runs.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+
+
+def compiled_evict():
+    """The compiled `evict_prefix`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
+    return None if os.environ.get("MOESPEC_FUSED_VALUES", "1") == "0" else _compiled()
+
+
+@lru_cache(maxsize=1)
+def _compiled():
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba.njit(cache=True, nogil=True)(evict_prefix)
+
+
+def evict_prefix(log_scores, scores, depth, valid, costs, order):
+    """Fill order [M] with the M best valid nodes in score order (score desc, depth asc, index asc; -1 pads
+    past the valid ones) and return k*, the prefix of it with the most expected tokens per cost.
+
+    log_scores [N] float32 (what the order compares, as float64); scores [N] float32 (what S_k sums, in
+    float64); depth [N] int64; valid [N] bool; costs [K+1] float64 C(k). k ranges over 0 .. min(valid
+    nodes, M, K); ties in the ratio go to the smallest k.
+    """
+    M = order.shape[0]
+    n = 0  # entries of order filled
+    for v in range(valid.shape[0]):
+        if not valid[v]:
+            continue
+        key = -np.float64(log_scores[v])
+        if n == M:  # full: v enters only when it beats the last kept
+            last = order[M - 1]
+            lk = -np.float64(log_scores[last])
+            if not (key < lk or (key == lk and depth[v] < depth[last])):
+                continue  # an equal key and depth: the lower index, kept already, stays ahead
+            pos = M - 1
+        else:
+            pos = n
+            n += 1
+        while pos > 0:
+            u = order[pos - 1]
+            uk = -np.float64(log_scores[u])
+            if key < uk or (key == uk and depth[v] < depth[u]):
+                order[pos] = u
+                pos -= 1
+            else:
+                break
+        order[pos] = v
+    for i in range(n, M):
+        order[i] = -1
+    K = min(n, costs.shape[0] - 1)
+    best_k, expected = 0, 1.0
+    best = expected / costs[0]
+    for k in range(1, K + 1):
+        expected += np.float64(scores[order[k - 1]])
+        u = expected / costs[k]
+        if u > best:
+            best, best_k = u, k
+    return best_k
