@@ -37,8 +37,11 @@ if has batch; then
   python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \
     --tokens 64 --repeats "${BATCH_REPEATS:-3}" --requests 24 --json "$OUT/batch_served_cpu.json"
 fi
-if has overhead; then  # a speculative step's overhead and its anatomy, the compiled drafting step beside the reference
+if has overhead; then  # a speculative step's overhead and its anatomy, the compiled host work beside the reference:
+  # eagle3 (the whole tree verified) and joint (its node values, selection and their update too)
   python -m benchmarks.bench_step_overhead --model $M --repeats "${OVERHEAD_REPEATS:-7}" --json "$OUT/step_overhead_cpu.json"
+  python -m benchmarks.bench_step_overhead --model $M --policy joint --repeats "${OVERHEAD_REPEATS:-7}" \
+    --json "$OUT/step_overhead_joint_cpu.json"
 fi
 if has regime; then
   python -m benchmarks.regime_plot --out benchmarks/results/regime.png
