@@ -100,3 +100,11 @@ def test_compiled_isotonic_equals_the_reference(seed):
     out = np.empty(n)
     compiled_values()[1](y, w, out)
     np.testing.assert_allclose(out, isotonic_fit(y, w), rtol=1e-12, atol=1e-12)
+
+
+def test_the_switch_turns_the_compiled_values_and_selection_off(monkeypatch):
+    from trtllm_moespec.core.select_host import compiled_evict
+
+    assert compiled_evict() is not None
+    monkeypatch.setenv("MOESPEC_FUSED_VALUES", "0")
+    assert compiled_values() is None and compiled_evict() is None

@@ -13,24 +13,22 @@ of the other compiled step-host work, values_host.py) the numpy path runs.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import numpy as np
 
+from .host_jit import numba_jit, switched_on
+
 
 def compiled_evict():
     """The compiled `evict_prefix`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    return None if os.environ.get("MOESPEC_FUSED_VALUES", "1") == "0" else _compiled()
+    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
-    try:
-        import numba
-    except ImportError:
-        return None
-    return numba.njit(cache=True, nogil=True)(evict_prefix)
+    jit = numba_jit()
+    return None if jit is None else jit(evict_prefix)
 
 
 def evict_prefix(log_scores, scores, depth, valid, costs, order):

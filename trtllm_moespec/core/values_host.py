@@ -18,27 +18,24 @@ numba is optional: without it (or with MOESPEC_FUSED_VALUES=0) the numpy path ru
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import numpy as np
+
+from .host_jit import numba_jit, switched_on
 
 MIN_COND = 1e-6  # values.MIN_COND: keeps log(value) finite
 
 
 def compiled_values():
     """(calibrated_values, isotonic) compiled, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    return None if os.environ.get("MOESPEC_FUSED_VALUES", "1") == "0" else _compiled()
+    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
-    try:
-        import numba
-    except ImportError:
-        return None
-    jit = numba.njit(cache=True, nogil=True)
-    return jit(calibrated_values), jit(isotonic)
+    jit = numba_jit()
+    return None if jit is None else (jit(calibrated_values), jit(isotonic))
 
 
 def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, num_depths, num_ranks, split_copy,

@@ -19,24 +19,23 @@ numba is optional: without it (or with MOESPEC_FUSED_DRAFT=0) drafting takes the
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import numpy as np
 
+from ...core.host_jit import numba_jit, switched_on
+
 
 def fused_grow_step():
     """The compiled `grow_step`, or None when numba is missing or MOESPEC_FUSED_DRAFT=0 turns it off."""
-    return None if os.environ.get("MOESPEC_FUSED_DRAFT", "1") == "0" else _compiled()
+    return _compiled() if switched_on("MOESPEC_FUSED_DRAFT") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
-    try:
-        import numba
-    except ImportError:
+    jit = numba_jit()
+    if jit is None:
         return None
-    jit = numba.njit(cache=True, nogil=True)
     # numba compiles the helpers grow_step calls by their global names: those names now hold the compiled
     # helpers (still plain callables from Python)
     global _top_indices, _next_frontier
