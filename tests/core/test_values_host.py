@@ -1,5 +1,5 @@
 """The compiled node values (core/values_host.py) against the numpy path they replace: the same groups,
-the same values up to float rounding, the same online state after every step; the compiled isotonic fit
+the same values up to float rounding, the same online counts after every step; the compiled isotonic fit
 against the reference one; and a tree whose parents do not come first falls back to numpy."""
 
 from unittest.mock import patch
@@ -44,15 +44,19 @@ def _with_ties(tree: DraftTree, rng: np.random.Generator) -> DraftTree:
     return DraftTree.from_parents(tree.token_ids, tree.parents, q, torch.tensor([valid]))
 
 
-def _steps(model: CalibratedValues, trees: list[DraftTree], context: list[int]) -> list[tuple[torch.Tensor, np.ndarray]]:
-    """Values and groups of each tree, observing a made-up outcome after each (so the online maps move)."""
+def _steps(model: CalibratedValues, trees: list[DraftTree], context: list[int]) -> list[tuple]:
+    """Values, groups and the online counts after each tree, observing a made-up outcome after each (so the
+    online maps move): verified nodes in value order, -1 padded, some accepted, not all of them trials."""
     state = model.for_request(SamplingConfig())
     out = []
     for i, tree in enumerate(trees):
         v = state.values(tree, None, context + [i % 7])
-        out.append((v, state._last[1].copy()))
+        groups = state._last[1].copy()
         chosen = torch.argsort(v[0], descending=True)[:6][None]
-        state.observe(tree, chosen, chosen[:, : i % 4])
+        verified = torch.cat([chosen, torch.full((1, 2), -1)], 1)
+        accepted = torch.cat([chosen[:, (i % 2)::2][:, : i % 4], torch.full((1, 1), -1)], 1)
+        state.observe(tree, verified, accepted)
+        out.append((v, groups, state.state.trials.copy(), state.state.accepted.copy()))
     return out
 
 
@@ -68,9 +72,10 @@ def test_compiled_values_equal_the_numpy_path(seed):
     got = _steps(model, trees, context)
     with _numpy_path():
         ref = _steps(model, trees, context)
-    for (v, g), (rv, rg) in zip(got, ref):
+    for (v, g, trials, hits), (rv, rg, rtrials, rhits) in zip(got, ref):
         assert g.tolist() == rg.tolist()
         torch.testing.assert_close(v, rv, rtol=1e-6, atol=1e-7)
+        assert np.array_equal(trials, rtrials) and np.array_equal(hits, rhits)
 
 
 def test_a_child_before_its_parent_takes_the_numpy_path():

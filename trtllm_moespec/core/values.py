@@ -346,6 +346,14 @@ class OnlineCalibration:
             self.accepted[g, m] += h
         self._stale |= set(groups)
 
+    def add_trials(self, kernel, parents: np.ndarray, selected: np.ndarray, accepted: np.ndarray, groups: np.ndarray,
+                   local: np.ndarray) -> None:
+        """`update` with one step's `observed_trials` in one compiled call (values_host.add_trials): one tree's
+        parents [N], the verified nodes [K] and accepted ones [D] (-1 pads), each node's group and local score [N]."""
+        touched = np.zeros(self.trials.shape[0], dtype=bool)
+        kernel(parents, selected, accepted, groups, local, self.edges, self.trials, self.accepted, touched)
+        self._stale |= set(np.flatnonzero(touched).tolist())
+
 
 # ---------------------------------------------------------------------------------------------- value models
 class RawValues:
@@ -436,5 +444,10 @@ class _CalibratedRequest:
         if not self.model.online or self._last is None or self._last[0].shape != tree.token_ids.shape:
             return
         local, groups = self._last
+        kernels = compiled_values() if tree.batch_size == 1 else None
+        if kernels is not None and all(t.device.type == "cpu" for t in (tree.parents, node_idx, accepted)):
+            self.state.add_trials(kernels[2], tree.parents[0].numpy(), node_idx[0].numpy(), accepted[0].numpy(),
+                                  groups[0], local[0].numpy())
+            return
         rows, nodes, _, hit = observed_trials(tree, node_idx, accepted)
         self.state.update(groups[rows, nodes], local.cpu().double().numpy()[rows, nodes], hit)

@@ -5,10 +5,12 @@ each node's rank among its siblings, its calibrator group, its conditional accep
 the group's isotonic map, and the product of those along its path. On a tree of ~50 nodes that
 is ~40 small numpy calls, about half a millisecond per speculative step on moespec-base (issue 25:
 the overhead of a step). `calibrated_values` does all four in one numba-compiled loop over the nodes,
-and `isotonic` is the pool-adjacent-violators fit the online maps refit each step.
+`isotonic` is the pool-adjacent-violators fit the online maps refit each step, and `add_trials` adds
+the step's outcome to the online counts.
 
 The references are the numpy path (`node_features.sibling_rank`, `Calibrator.group_ids`,
-`OnlineCalibration.conditional`, `values.path_values`) and `values.isotonic_fit`;
+`OnlineCalibration.conditional`, `values.path_values`), `values.isotonic_fit` and `values.observed_trials`
+with `OnlineCalibration.update`;
 tests/core/test_values_host.py checks they agree (groups exactly, values to float rounding:
 numba's log/exp may differ from numpy's in the last bit). Values only choose which nodes are
 verified, never how: output is unchanged either way.
@@ -28,14 +30,14 @@ MIN_COND = 1e-6  # values.MIN_COND: keeps log(value) finite
 
 
 def compiled_values():
-    """(calibrated_values, isotonic) compiled, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
+    """(calibrated_values, isotonic, add_trials) compiled, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
     return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
     jit = numba_jit()
-    return None if jit is None else (jit(calibrated_values), jit(isotonic))
+    return None if jit is None else (jit(calibrated_values), jit(isotonic), jit(add_trials))
 
 
 def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, num_depths, num_ranks, split_copy,
@@ -116,3 +118,31 @@ def isotonic(y, w, out):
         for _ in range(size[b]):
             out[i] = level[b]
             i += 1
+
+
+def add_trials(parents, selected, accepted, groups, local, edges, trials, hits, touched):
+    """Add one step's trials to the counts trials / hits [G, M] (float64, in place): each verified node
+    (selected [K], -1 pads) whose parent is the root or an accepted node (accepted [D], -1 pads) is a trial
+    of its group (groups [N]) in the bin of its local score (local [N] float32; bins by edges [M+1], as
+    searchsorted on the right, clipped), accepted or not. touched [G] is set where a group got a trial."""
+    N = parents.shape[0]
+    M = edges.shape[0] - 1
+    is_accepted = np.zeros(N, dtype=np.bool_)
+    for a in accepted:
+        if a >= 0:
+            is_accepted[a] = True
+    for v in selected:
+        if v < 0:
+            continue
+        p = parents[v]
+        if p >= 0 and not is_accepted[p]:
+            continue
+        x = np.float64(local[v])
+        m = 0
+        while m < M - 1 and edges[m + 1] <= x:
+            m += 1
+        g = groups[v]
+        trials[g, m] += 1.0
+        if is_accepted[v]:
+            hits[g, m] += 1.0
+        touched[g] = True
