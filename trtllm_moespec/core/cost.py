@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -73,6 +74,11 @@ class CostTable:
     @property
     def max_nodes(self) -> int:
         return len(self.costs) - 1
+
+    @functools.cached_property
+    def costs_array(self) -> np.ndarray:
+        """[K+1] float64 C(k) as numpy, made once (host selection reads it every step)."""
+        return np.asarray(self.costs, dtype=np.float64)
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[K+1] float64 C(k)."""

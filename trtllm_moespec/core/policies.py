@@ -158,7 +158,7 @@ def _evict(tree: DraftTree, scores: torch.Tensor, table: CostTable, budget: int 
 def _evict_host(tree: DraftTree, scores: torch.Tensor, table: CostTable, cap: int) -> Selection:
     """`_evict` on a CPU tree without torch ops: one compiled pass (select_host.py), or numpy without numba;
     the same order, prefix and costs (small ops, not arithmetic, are what selecting costs on the CPU)."""
-    s, costs = scores.detach().numpy(), np.asarray(table.costs, dtype=np.float64)
+    s, costs = scores.detach().numpy(), table.costs_array
     kernel = compiled_evict() if tree.batch_size == 1 else None
     if kernel is not None:  # the top `cap` and k* in one compiled pass (select_host.py)
         order = np.empty((1, min(cap, tree.num_nodes)), dtype=np.int64)

@@ -294,10 +294,6 @@ def _bin_counts(edges: np.ndarray, group: np.ndarray, score: np.ndarray, hit: np
     return trials, acc
 
 
-def _centers(edges: np.ndarray) -> np.ndarray:
-    return (edges[:-1] + edges[1:]) / 2
-
-
 @dataclass
 class OnlineCalibration:
     """A calibrator's running state for one request: prior + this request's trials, refit lazily."""
@@ -307,6 +303,10 @@ class OnlineCalibration:
     accepted: np.ndarray  # [G, M]
     _maps: np.ndarray | None = field(default=None, repr=False)  # [G, M] fitted rates (None = not fitted yet)
     _stale: set = field(default_factory=set, repr=False)  # groups whose counts changed since the last fit
+    centers: np.ndarray = field(init=False, repr=False)  # [M] the bins' centres, where the maps are read
+
+    def __post_init__(self) -> None:
+        self.centers = (self.edges[:-1] + self.edges[1:]) / 2
 
     def maps(self) -> np.ndarray:
         """[G, M] isotonic conditional-acceptance rate per (group, bin); refits only the groups that changed."""
@@ -326,8 +326,7 @@ class OnlineCalibration:
     def conditional(self, group: np.ndarray, score: np.ndarray) -> np.ndarray:
         """Conditional acceptance of nodes of these groups with these local scores, interpolated linearly
         between bin centres (monotone in the score within every group)."""
-        maps = self.maps()
-        centers = _centers(self.edges)
+        maps, centers = self.maps(), self.centers
         x = np.clip(score, centers[0], centers[-1])
         hi = np.clip(np.searchsorted(centers, x, side="right"), 1, len(centers) - 1)
         w = (x - centers[hi - 1]) / (centers[hi] - centers[hi - 1])
@@ -433,8 +432,8 @@ class _CalibratedRequest:
                   else np.zeros(N, dtype=np.int64))
         groups, values = np.empty(N, dtype=np.int64), np.empty(N, dtype=np.float32)
         ok = kernel(host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
-                    local[0].double().numpy(), host.valid[0].numpy(), copies, self.state.maps(),
-                    _centers(self.state.edges), cal.num_depths, cal.num_ranks, cal.copy, groups, values)
+                    local[0].numpy(), host.valid[0].numpy(), copies, self.state.maps(), self.state.centers,
+                    cal.num_depths, cal.num_ranks, cal.copy, groups, values)
         if not ok:
             return None
         self._last = (local, groups[None])

@@ -46,7 +46,7 @@ def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, nu
     before its child (the caller then takes the numpy path, which needs no such order).
 
     parents [N] int64 (-1: the root); depth [N] int64 (>= 1); q [N] float32 the draft probability (what
-    sibling ranks compare); score [N] float64 the local score (what the maps read);
+    sibling ranks compare); score [N] the local score (what the maps read, as float64: float32 converts exactly);
     valid [N] bool; copies [N] int64 0/1; maps [G, M] float64 each group's rate at the bin centres
     centers [M]. A node's sibling rank counts the siblings (valid or not) with a higher q, or an equal
     one and a lower index; its group is (depth, rank, copy) as `Calibrator.group_ids` numbers it; its
@@ -84,7 +84,7 @@ def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, nu
         if not valid[v]:
             log_value[v] = -np.inf
             continue
-        x = min(max(score[v], centers[0]), centers[M - 1])
+        x = min(max(np.float64(score[v]), centers[0]), centers[M - 1])
         hi = 1
         while hi < M - 1 and centers[hi] <= x:  # searchsorted(centers, x, "right"), clipped to 1 .. M-1
             hi += 1
