@@ -7,7 +7,9 @@ The graph store's bookkeeping runs here with a stand-in for CUDA capture (`graph
 from __future__ import annotations
 
 import gc
+import threading
 
+import pytest
 import torch
 
 from trtllm_moespec.models.eagle3.cache import DrafterKVPool, Eagle3Cache
@@ -92,6 +94,34 @@ def test_the_pool_hands_out_the_smallest_fitting_buffer_and_keeps_what_the_busie
     assert pool.in_use == 1 and len(pool._free) == 3  # at most `peak` kept: the smallest (256) went
     assert all(b.shape[3] >= 600 for b in pool._free)
 
+
+
+@pytest.mark.parametrize("threshold", [20, 50])
+def test_a_buffer_the_collector_gives_back_inside_take_does_not_deadlock(threshold):
+    """A cache in a reference cycle is freed by the garbage collector, which can run inside `take` (any
+    allocation may start a collection): the cache's finalizer then gives its buffer back while `take`
+    holds the pool's lock. Frequent collections (a low threshold) make that happen within a few
+    requests; the requests run on a thread so that a deadlock fails the test instead of hanging it."""
+    pool = DrafterKVPool()
+
+    def requests() -> None:
+        for _ in range(300):
+            cache = Eagle3Cache(pool=pool)
+            cache.cycle = cache  # only the cyclic collector frees it
+            cache.reserve(8, 1, 4, torch.float32, "cpu")
+            del cache
+
+    before = gc.get_threshold()
+    gc.set_threshold(threshold, 2, 2)
+    try:
+        worker = threading.Thread(target=requests, daemon=True)
+        worker.start()
+        worker.join(60)
+    finally:
+        gc.set_threshold(*before)
+    assert not worker.is_alive(), "a finalizer's give waited for the lock its own take held"
+    gc.collect()
+    assert pool.in_use == 0 and len(pool._free) <= pool.peak and pool.allocated < 300  # buffers came back and were reused
 
 def test_graphs_are_captured_once_per_buffer_and_replayed_after(drafter):
     capture = RecomputeCapture()

@@ -3,6 +3,7 @@ across requests (`DrafterKVPool`), so that CUDA graphs captured over a buffer ke
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass
@@ -24,11 +25,21 @@ class DrafterKVPool:
     """
 
     def __init__(self):
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()  # a finalizer may return a buffer from another thread (a server's)
+        self._free: list[torch.Tensor] = []  # largest first
+        # Buffers given back and not yet sorted into _free. `give` runs in a cache's finalizer, which the garbage
+        # collector may call inside `take` (any allocation can start a collection) or on another thread, so it
+        # must never wait for the lock (a finalizer firing inside `take` would wait for itself): it leaves the
+        # buffer here (a deque's append is atomic) and sorts it in only when the lock is free.
+        self._returned: collections.deque[torch.Tensor] = collections.deque()
+        self._lock = threading.Lock()
         self.allocated = 0  # buffers allocated so far (a reused buffer does not count)
-        self.in_use = 0  # buffers taken and not given back
+        self._out = 0  # buffers taken and not yet sorted back in
         self.peak = 0  # the most buffers in use at once
+
+    @property
+    def in_use(self) -> int:
+        """Buffers taken and not given back."""
+        return self._out - len(self._returned)
 
     def take(self, length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer of at least `length` positions with K/V shape `like` = (KVH, D): the smallest free
@@ -36,6 +47,7 @@ class DrafterKVPool:
         masked product finite), else a new one of max(length, 256) positions."""
         device = torch.device(device)
         with self._lock:
+            self._sort_in_returned()
             fits = [kv for kv in self._free if kv.shape[3] >= length and (kv.shape[2], kv.shape[4]) == like
                     and kv.dtype == dtype and kv.device == device]
             kv = min(fits, key=lambda t: t.shape[3]) if fits else None
@@ -43,17 +55,29 @@ class DrafterKVPool:
                 self._free = [t for t in self._free if t is not kv]
             else:
                 self.allocated += 1
-            self.in_use += 1
-            self.peak = max(self.peak, self.in_use)
+            self._out += 1
+            self.peak = max(self.peak, self._out)
         return kv.zero_() if kv is not None else _new_buffer(length, like, dtype, device)
 
     def give(self, kv: torch.Tensor) -> None:
-        """Return a buffer no cache uses any more."""
-        with self._lock:
-            self.in_use -= 1
-            self._free.append(kv)
-            self._free.sort(key=lambda t: t.shape[3], reverse=True)
-            del self._free[self.peak:]  # beyond the busiest moment's count, the smallest go
+        """Return a buffer no cache uses any more. Never blocks: safe in a finalizer."""
+        self._returned.append(kv)
+        if self._lock.acquire(blocking=False):  # else the holder, or the next take, sorts it in
+            try:
+                self._sort_in_returned()
+            finally:
+                self._lock.release()
+
+    def _sort_in_returned(self) -> None:
+        """Move the given-back buffers into the free list (the lock held); beyond the busiest moment's
+        count, the smallest go."""
+        if not self._returned:
+            return
+        while self._returned:
+            self._free.append(self._returned.popleft())
+            self._out -= 1
+        self._free.sort(key=lambda t: t.shape[3], reverse=True)
+        del self._free[self.peak:]
 
 
 def _new_buffer(length: int, like: tuple, dtype: torch.dtype, device) -> torch.Tensor:
