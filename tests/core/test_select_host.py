@@ -1,6 +1,6 @@
-"""EVICT's compiled selection (core/select_host.py) against the numpy path it replaces: the same nodes
-in the same order and the same k*, expected tokens and cost, on random trees with ties in score and
-depth, with and without a node cap."""
+"""EVICT's compiled selection and the compiled top-k (core/select_host.py) against the numpy path they
+replace: the same nodes in the same order and the same k*, expected tokens and cost, on random trees with
+ties in score and depth, with and without a node cap."""
 
 from unittest.mock import patch
 
@@ -11,7 +11,9 @@ from hypothesis import given, settings
 
 from trtllm_moespec.core import CostTable, DraftTree, make_policy
 from trtllm_moespec.core import policies
-from trtllm_moespec.core.select_host import compiled_evict
+from trtllm_moespec.core import tree as tree_module
+from trtllm_moespec.core.select_host import compiled_evict, compiled_top
+from trtllm_moespec.core.tree import top_k_nodes
 
 from .strategies import random_eagle_tree, random_tree, seeds
 
@@ -57,3 +59,26 @@ def test_a_tie_in_the_ratio_goes_to_the_smaller_prefix():
     with patch.object(policies, "compiled_evict", lambda: None):
         ref = policy.select(tree)
     assert got.num_selected.tolist() == ref.num_selected.tolist() == [0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_compiled_top_k_orders_as_the_numpy_path(seed):
+    """`top_k_nodes` (EAGLE-3's pruning, every fixed-budget policy) through `select_host.top_nodes`: the same
+    nodes in the same order, -1 past the valid ones, k below and above the tree's size."""
+    assert compiled_top() is not None
+    rng = np.random.default_rng(seed)
+    tree = random_eagle_tree(rng, 1, int(rng.integers(1, 5)), int(rng.integers(1, 5)), vocab=12) \
+        if seed % 2 else random_tree(rng, 1, int(rng.integers(1, 30)), vocab=5)
+    if seed % 3 == 0:
+        tree = _tied(tree, rng)
+    k = int(rng.integers(1, 2 * tree.num_nodes + 2))
+    got = top_k_nodes(tree, k)
+    with patch.object(tree_module, "compiled_top", lambda: None):
+        ref = top_k_nodes(tree, k)
+    assert got.tolist() == ref.tolist() and got.dtype == ref.dtype
+    eagle3 = make_policy("eagle3", budget=k)
+    picked = eagle3.select(tree)
+    with patch.object(tree_module, "compiled_top", lambda: None):
+        want = eagle3.select(tree)
+    assert picked.node_idx.tolist() == want.node_idx.tolist() and torch.equal(picked.expected_tokens, want.expected_tokens)

@@ -71,16 +71,20 @@ def test_single_token_step_needs_no_full_mask():
     assert masks.full is None and masks.end == 13
 
 
-def test_static_cache_commit_gathers_accepted_slots_in_every_layer():
-    cache = StaticKVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # through numpy, and through torch
+def test_static_cache_commit_gathers_accepted_slots_in_every_layer(dtype):
+    cache = StaticKVCache(num_layers=2, num_kv_heads=2, head_dim=2, max_len=8, num_slots=2, dtype=dtype)
     cache.kv.copy_(torch.arange(cache.kv.numel(), dtype=torch.float32).view_as(cache.kv))
     before = cache.kv.clone()
-    cache.commit(0, 3, torch.tensor([3, 5, 6]))  # root at 3 stays, nodes at 5 and 6 move to 4 and 5
-    assert torch.equal(cache.kv[:, :, 0, :, 3:6], before[:, :, 0, :, [3, 5, 6]])
-    assert torch.equal(cache.kv[:, :, 0, :, :3], before[:, :, 0, :, :3])
+    cache.commit(1, 3, torch.tensor([3, 5, 6]))  # root at 3 stays, nodes at 5 and 6 move to 4 and 5
+    assert torch.equal(cache.kv[:, :, 1, :, 3:6], before[:, :, 1, :, [3, 5, 6]])
+    assert torch.equal(cache.kv[:, :, 1, :, :3], before[:, :, 1, :, :3])
+    assert torch.equal(cache.kv[:, :, 0], before[:, :, 0])  # another request's slot is untouched
     chain = cache.kv.clone()
-    cache.commit(0, 3, torch.tensor([3, 4, 5]))  # already in place: nothing moves
+    cache.commit(1, 3, torch.tensor([3, 4, 5]))  # already in place: nothing moves
     assert torch.equal(cache.kv, chain)
+    cache.commit(1, 2, torch.tensor([2, 6]))  # the root in place, one node from further down
+    assert torch.equal(cache.kv[:, :, 1, :, 3], chain[:, :, 1, :, 6])
 
 
 def test_static_cache_slots_are_reused_and_capacity_grows():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .layout_host import EMPTY_TREE, NOT_PARENT_CLOSED, OUT_OF_RANGE, PADDED_NODE, compiled_layout
 from .tree import DraftTree, gather_nodes
 
 
@@ -123,6 +124,9 @@ def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor
     B, K = node_idx.shape
     device = tree.token_ids.device
     if device.type == "cpu" and node_idx.device.type == "cpu":
+        kernel = compiled_layout() if B == 1 else None
+        if kernel is not None:
+            return _build_layout_compiled(kernel, tree, node_idx, root_ids)
         return _build_layout_host(tree, node_idx, root_ids)
     return _build_layout_tensors(tree, node_idx, root_ids, max_depth)
 
@@ -165,6 +169,28 @@ def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: tor
         paths=_paths(full_parent, full_depth, valid, max_depth),
         num_nodes=sel_valid.sum(1),
     )
+
+
+_LAYOUT_ERRORS = {
+    EMPTY_TREE: (ValueError, "selection names nodes but the tree is empty"),
+    PADDED_NODE: (ValueError, "selection contains a padded (invalid) tree node"),
+    NOT_PARENT_CLOSED: (ValueError, "selection is not parent-closed and ordered: a node comes before (or without) its parent"),
+}
+
+
+def _build_layout_compiled(kernel, tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:
+    """build_layout for one CPU request in one compiled call (layout_host.py): the same layout and errors."""
+    N = tree.num_nodes
+    outcome, *arrays, count = kernel(tree.parents[0].numpy(), tree.token_ids[0].numpy(), tree.depth[0].numpy(),
+                                     tree.valid[0].numpy(), node_idx[0].numpy(), int(root_ids.reshape(-1)[0]))
+    if outcome == OUT_OF_RANGE:
+        raise IndexError(f"selected node index out of range for a tree of {N} nodes")
+    if outcome:
+        error, message = _LAYOUT_ERRORS[outcome]
+        raise error(message)
+    nodes, tokens, depth, parent, valid, paths = (torch.from_numpy(a)[None] for a in arrays)
+    return TreeLayout(node_idx=nodes, token_ids=tokens, depth=depth, parent_pos=parent, valid=valid, paths=paths,
+                      num_nodes=torch.tensor([count]))
 
 
 def _build_layout_host(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor) -> TreeLayout:

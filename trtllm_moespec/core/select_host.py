@@ -6,6 +6,8 @@ about twenty numpy calls, ~0.2 ms of a speculative step on moespec-base's CPU (i
 the top few dozen of a few hundred nodes, so `evict_prefix` keeps the best `cap` in one pass (insertion
 into a sorted list, as EAGLE's top-k) and scans their prefixes, in one numba-compiled loop.
 
+`top_nodes` alone is the top-k every fixed-budget selection takes (`tree.top_k_nodes`: EAGLE-3's pruning).
+
 The reference is the numpy path; tests/core/test_select_host.py checks the same order and k* on random
 trees, ties in score included. numba is optional: without it (or with MOESPEC_FUSED_VALUES=0, the switch
 of the other compiled step-host work, values_host.py) the numpy path runs.
@@ -22,22 +24,36 @@ from .host_jit import numba_jit, switched_on
 
 def compiled_evict():
     """The compiled `evict_prefix`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
+    kernels = _switched()
+    return None if kernels is None else kernels[1]
+
+
+def compiled_top():
+    """The compiled `top_nodes`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
+    kernels = _switched()
+    return None if kernels is None else kernels[0]
+
+
+def _switched():
     return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
     jit = numba_jit()
-    return None if jit is None else jit(evict_prefix)
+    if jit is None:
+        return None
+    # numba compiles the helper evict_prefix calls by its global name: that name now holds the compiled one
+    global top_nodes
+    top_nodes = jit(top_nodes)
+    return top_nodes, jit(evict_prefix)
 
 
-def evict_prefix(log_scores, scores, depth, valid, costs, order):
+def top_nodes(log_scores, depth, valid, order):
     """Fill order [M] with the M best valid nodes in score order (score desc, depth asc, index asc; -1 pads
-    past the valid ones) and return k*, the prefix of it with the most expected tokens per cost.
+    past the valid ones) and return how many are valid.
 
-    log_scores [N] float32 (what the order compares, as float64); scores [N] float32 (what S_k sums, in
-    float64); depth [N] int64; valid [N] bool; costs [K+1] float64 C(k). k ranges over 0 .. min(valid
-    nodes, M, K); ties in the ratio go to the smallest k.
+    log_scores [N] float32 (what the order compares, as float64); depth [N] int64; valid [N] bool.
     """
     M = order.shape[0]
     n = 0  # entries of order filled
@@ -65,6 +81,15 @@ def evict_prefix(log_scores, scores, depth, valid, costs, order):
         order[pos] = v
     for i in range(n, M):
         order[i] = -1
+    return n
+
+
+def evict_prefix(log_scores, scores, depth, valid, costs, order):
+    """Fill order [M] as `top_nodes` does and return k*, the prefix of it with the most expected tokens
+    per cost: scores [N] float32 (what S_k sums, in float64); costs [K+1] float64 C(k). k ranges over
+    0 .. min(valid nodes, M, K); ties in the ratio go to the smallest k.
+    """
+    n = top_nodes(log_scores, depth, valid, order)
     K = min(n, costs.shape[0] - 1)
     best_k, expected = 0, 1.0
     best = expected / costs[0]
