@@ -219,19 +219,26 @@ class TreeBuffer:
         if batch_size < 1 or capacity < 0:
             raise ValueError(f"TreeBuffer needs batch_size >= 1 and capacity >= 0, got {batch_size}, {capacity}")
         B, N = batch_size, capacity
+        self.num_nodes = 0
+        if torch.device(device).type == "cpu":
+            # On CPU the integer bookkeeping (parents, depth, frontier order) runs on numpy views of the same
+            # storage: each torch op costs ~5-40 us at these sizes, a numpy one ~1 us. The float math (log of
+            # the probabilities, the score sums) is the same IEEE float32 arithmetic either way. The arrays
+            # are made by numpy too (a new buffer every drafting step; torch's allocations cost more).
+            self._host = _HostViews(np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64), np.zeros((B, N), np.int64),
+                                    np.zeros((B, N), np.float32), np.full((B, N), _NEG_INF, np.float32),
+                                    np.zeros((B, N), np.bool_), np.arange(B)[:, None])
+            h = self._host
+            self.token_ids, self.parents, self.depth, self.draft_probs, self.log_scores, self.valid = (
+                torch.from_numpy(a) for a in (h.token_ids, h.parents, h.depth, h.draft_probs, h.log_scores, h.valid))
+            return
+        self._host = None
         self.token_ids = torch.zeros(B, N, dtype=torch.int64, device=device)
         self.parents = torch.full((B, N), -1, dtype=torch.int64, device=device)
         self.depth = torch.zeros(B, N, dtype=torch.int64, device=device)
         self.draft_probs = torch.zeros(B, N, dtype=torch.float32, device=device)
         self.log_scores = torch.full((B, N), _NEG_INF, dtype=torch.float32, device=device)
         self.valid = torch.zeros(B, N, dtype=torch.bool, device=device)
-        self.num_nodes = 0
-        # On CPU the integer bookkeeping (parents, depth, frontier order) runs on numpy views of the same
-        # storage: each torch op costs ~5-40 us at these sizes, a numpy one ~1 us. The float math (log of
-        # the probabilities, the score sums) is the same IEEE float32 arithmetic either way.
-        self._host = None if self.token_ids.device.type != "cpu" else _HostViews(
-            self.token_ids.numpy(), self.parents.numpy(), self.depth.numpy(), self.draft_probs.numpy(),
-            self.log_scores.numpy(), self.valid.numpy(), np.arange(B)[:, None])
 
     def tree(self) -> DraftTree:
         n = self.num_nodes

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .device import to_device
+from .followers_host import BigramFollowers, compiled_followers
 from .node_features import RecentFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
@@ -404,6 +405,7 @@ class _CalibratedRequest:
     state: OnlineCalibration
     _last: tuple[torch.Tensor, np.ndarray] | None = None  # local scores [B, N] and groups [B, N] of the last tree
     _index: RecentFollowers = field(default_factory=RecentFollowers)  # the context's n-gram followers, incremental
+    _bigrams: BigramFollowers = field(default_factory=BigramFollowers)  # the same, as the compiled path's table
 
     def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
         # host code from here on: a device tree is read back once, not once per feature
@@ -428,8 +430,12 @@ class _CalibratedRequest:
         are not in parent-first order (the numpy path then runs)."""
         cal = self.model.calibrator
         N = host.num_nodes
-        copies = (copies_recent(host, context, index=self._index) if (cal.copy and context)
-                  else np.zeros(N, dtype=np.int64))
+        copies = np.zeros(N, dtype=np.int64)
+        if cal.copy and context:  # copies_recent's flags from the compiled bigram table (followers_host.py)
+            insert, copies_of = compiled_followers()
+            tail = self._bigrams.update(context, insert)
+            copies_of(host.token_ids[0].numpy(), host.parents[0].numpy(), host.valid[0].numpy(), tail,
+                      self._bigrams.keys, self._bigrams.values, copies)
         groups, values = np.empty(N, dtype=np.int64), np.empty(N, dtype=np.float32)
         ok = kernel(host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
                     local[0].numpy(), host.valid[0].numpy(), copies, self.state.maps(), self.state.centers,

@@ -130,7 +130,8 @@ def draft_eagle3_trees(
         elif frontier_runner is None:
             t = active[0]
             hidden, ids = t.inputs()
-            out = drafter(hidden, input_ids=ids, position_ids=t.positions[step:step + 1, :t.width],
+            # forward itself: Module.__call__'s hook bookkeeping costs ~15 us a call in a CPU step (issue 25)
+            out = drafter.forward(hidden, input_ids=ids, position_ids=t.positions[step:step + 1, :t.width],
                           attention_mask=t.mask(), cache_kv=t.kv, cache_start=t.start + t.num_slots)
         else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
             t = active[0]
@@ -197,7 +198,7 @@ class _TreeDraft:
                              h.log_scores[0], h.valid[0], self._hidden_np, masks._rows_np, masks._mask_np,
                              self._next, self._in_hidden.numpy()[0], self._in_ids.numpy()[0])
             self._target_ids = drafter.draft_vocab_target_ids().numpy()
-            self._fused_grow(root_probs[0], cache.last_hidden[0][None], np.zeros(1, dtype=np.int64), is_root=True)
+            self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64), is_root=True)
             self.frontier = torch.from_numpy(self._next[None])  # a view: each grow rewrites it
         else:
             ids, probs = _top_children(drafter, root_probs, topk)  # [1, 1, topk]
@@ -218,10 +219,10 @@ class _TreeDraft:
                 and self.node_hidden.dtype == torch.float32 and self.masks._mask_np is not None
                 and self.masks.mask.dtype == torch.float32)
 
-    def _fused_grow(self, probs: torch.Tensor, hidden: torch.Tensor, frontier: np.ndarray, is_root: bool = False) -> None:
+    def _fused_grow(self, probs: np.ndarray, hidden: np.ndarray, frontier: np.ndarray, is_root: bool = False) -> None:
         """`grow_step` on this tree's buffers: probs [F, V_draft] and hidden [F, H] of the frontier's rows."""
         n, m = self.nodes._take(probs.shape[0] * self.topk)
-        self._num_next = self._fused(probs.numpy(), hidden.numpy(), frontier, self._target_ids, self.topk, n,
+        self._num_next = self._fused(probs, hidden, frontier, self._target_ids, self.topk, n,
                                      self.num_slots, self.start, is_root, *self._buffers)
         self.nodes.num_nodes = m
 
@@ -275,7 +276,7 @@ class _TreeDraft:
         n, F_ = self.nodes.num_nodes, self.width
         self.num_forwards += 1
         if self._fused is not None:
-            self._fused_grow(probs[0], hidden[0], self.f.numpy())
+            self._fused_grow(probs.numpy()[0], hidden.numpy()[0], self.f.numpy())
             self.num_slots += F_
             return
         ids, probs = _top_children(self.drafter, probs, self.topk)  # [1, F, topk]
@@ -322,6 +323,19 @@ def _host_view(t: torch.Tensor) -> np.ndarray | None:
     return t.numpy()
 
 
+def _filled(shape: tuple[int, int], value: float, dtype: torch.dtype, device) -> tuple[torch.Tensor, np.ndarray | None]:
+    """A tensor of `value` and its numpy view (`_host_view`); made by numpy where it can (a drafting step
+    allocates these anew, and numpy's allocation costs less than torch's)."""
+    if torch.device(device).type == "cpu" and dtype in _NUMPY_DTYPES:
+        a = np.full(shape, value, dtype=_NUMPY_DTYPES[dtype])
+        return torch.from_numpy(a), a
+    t = torch.full(shape, value, dtype=dtype, device=device)
+    return t, _host_view(t)
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
 def _valid(frontier: torch.Tensor) -> torch.Tensor:
     """The frontier's node idx without its -1 padding (on CPU through numpy: one op instead of three)."""
     if frontier.device.type == "cpu":
@@ -341,11 +355,10 @@ class _TreeMasks:
     def __init__(self, prefix_len: int, max_slots: int, capacity: int, topk: int, dtype: torch.dtype, device):
         hidden = torch.finfo(dtype).min
         self.prefix_len = prefix_len
-        self.rows = torch.full((capacity, max(max_slots, 1)), hidden, dtype=dtype, device=device)
-        self.mask = torch.zeros(topk, prefix_len + max_slots, dtype=dtype, device=device)
-        self.hidden = hidden  # the value of a slot a row does not see
         # CPU: the row copies go through numpy views of the same storage (~1 us per op instead of ~10)
-        self._rows_np, self._mask_np = _host_view(self.rows), _host_view(self.mask)
+        self.rows, self._rows_np = _filled((capacity, max(max_slots, 1)), hidden, dtype, device)
+        self.mask, self._mask_np = _filled((topk, prefix_len + max_slots), 0.0, dtype, device)
+        self.hidden = hidden  # the value of a slot a row does not see
 
     def frontier(self, f: torch.Tensor, num_slots: int) -> torch.Tensor:
         """[1, 1, F, S + num_slots + F] for frontier nodes f [F], whose own keys go to the next F slots:

@@ -130,8 +130,8 @@ class Eagle3Drafter(nn.Module):
                              f"{input_ids.shape[1]}")
         if len(segments) == 1:
             seg = segments[0]
-            return self(hidden_states, input_ids=input_ids, position_ids=position_ids,
-                        attention_mask=seg.attention_mask, cache_kv=seg.cache_kv, cache_start=seg.start)
+            return self.forward(hidden_states, input_ids=input_ids, position_ids=position_ids,
+                                attention_mask=seg.attention_mask, cache_kv=seg.cache_kv, cache_start=seg.start)
         embeds, h = self._inputs(hidden_states, input_ids, None)
         bound = max(seg.start + seg.length for seg in segments)  # no position passes its own key slot
         return self._forward_fused(embeds, h, position_ids, None, None, None, 0, bound, segments)
@@ -343,7 +343,8 @@ class Eagle3Drafter(nn.Module):
         S, n = cache.num_tokens, token_ids.shape[1]
         a = self.midlayer.self_attn
         kv = cache.reserve(S + n, a.num_kv_heads, a.head_dim, self.lm_head.weight.dtype, self.lm_head.weight.device)
-        out = self(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), cache_kv=kv, cache_start=S)
+        # forward itself (no hooks on the drafter): Module.__call__ costs ~15 us a call in a CPU step (issue 25)
+        out = self.forward(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), cache_kv=kv, cache_start=S)
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
         return self.top1_target_ids(out.logits[0]) if top1 else None
