@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from trtllm_moespec.core import DraftTree, draft_root, grow_tree, score_order, top_k_nodes
+from trtllm_moespec.core import DraftTree, draft_root, grow_tree, limit_depth, score_order, top_k_nodes
 
 from .strategies import random_eagle_tree, random_tree, seeds
 
@@ -171,3 +171,20 @@ def test_keep_top_nodes_keeps_the_parent_closed_top_of_the_score_order(seed):
             assert float(kept.log_scores[b, n]) == float(tree.log_scores[b, n])
     if tree.num_nodes <= m:
         assert kept is tree
+
+
+@settings(max_examples=30, deadline=None)
+@given(seeds)
+def test_limit_depth_drops_exactly_the_deeper_nodes(seed):
+    """limit_depth on a CPU tree (a host check first) as the rule says: nodes deeper than the limit padded,
+    the rest unchanged; the same tree object back when none is deeper."""
+    rng = np.random.default_rng(seed)
+    tree = random_eagle_tree(rng, 1, int(rng.integers(1, 5)), int(rng.integers(1, 4)), vocab=12)
+    limit = int(rng.integers(0, 6))
+    got = limit_depth(tree, limit)
+    keep = tree.valid & (tree.depth <= limit)
+    if bool(keep.equal(tree.valid)):
+        assert got is tree
+        return
+    assert torch.equal(got.valid, keep) and torch.equal(got.token_ids, tree.token_ids)
+    assert torch.equal(got.parents, torch.where(keep, tree.parents, -1)) and int(got.depth.max()) <= limit

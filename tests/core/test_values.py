@@ -75,6 +75,8 @@ def test_observed_trials_are_verified_nodes_with_accepted_parents():
     rows, nodes, depth, hit = observed_trials(tree, node_idx, accepted)
     assert nodes.tolist() == [0, 1, 2] and depth.tolist() == [1, 1, 2] and hit.tolist() == [1.0, 0.0, 0.0]
     assert accepted_nodes(node_idx, torch.tensor([[1, 3, -1]])).tolist() == [[0, 2, -1]]
+    two = accepted_nodes(torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]), torch.tensor([[1, 3, -1], [2, -1, -1]]))
+    assert two.tolist() == [[0, 2, -1], [2, -1, -1]]  # a batch: the numpy path, the same rule
 
 
 def test_calibrator_learns_online_and_stays_monotone():

@@ -434,6 +434,8 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     as it is, without reading its depths back (a device sync for a tree on an accelerator)."""
     if tree.num_nodes <= max_depth:
         return tree
+    if tree.depth.device.type == "cpu" and tree.num_nodes and int(tree.depth.numpy().max()) <= max_depth:  # none deeper
+        return tree
     keep = tree.valid & (tree.depth <= max_depth)
     if bool(keep.equal(tree.valid)):
         return tree

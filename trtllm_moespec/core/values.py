@@ -115,6 +115,9 @@ def accepted_nodes(node_idx: torch.Tensor, accepted_pos: torch.Tensor) -> torch.
         pos, idx = accepted_pos.numpy(), node_idx.numpy()
         if not idx.shape[1]:
             return torch.from_numpy(np.where(pos > 0, pos, -1))
+        if len(pos) == 1:  # one request: a few positions, read on host lists (fewer calls still)
+            row = idx[0].tolist()
+            return torch.tensor([[row[p - 1] if p > 0 else -1 for p in pos[0].tolist()]], dtype=torch.int64)
         picked = np.take_along_axis(idx, np.maximum(pos, 1) - 1, axis=1)
         return torch.from_numpy(np.where(pos > 0, picked, -1))
     pos = accepted_pos.clamp(min=1) - 1
