@@ -174,7 +174,8 @@ def _build_layout_tensors(tree: DraftTree, node_idx: torch.Tensor, root_ids: tor
 _LAYOUT_ERRORS = {
     EMPTY_TREE: (ValueError, "selection names nodes but the tree is empty"),
     PADDED_NODE: (ValueError, "selection contains a padded (invalid) tree node"),
-    NOT_PARENT_CLOSED: (ValueError, "selection is not parent-closed and ordered: a node comes before (or without) its parent"),
+    NOT_PARENT_CLOSED: (ValueError,
+                        "selection is not parent-closed and ordered: a node comes before (or without) its parent"),
 }
 
 

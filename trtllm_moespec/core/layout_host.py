@@ -42,15 +42,16 @@ def layout_row(parents, tokens, depth, valid, sel, root):
     outcome other than 0 the arrays are empty (the caller raises, with the list path's precedence)."""
     N, K = parents.shape[0], sel.shape[0]
     e = np.empty(0, dtype=np.int64)
+    nothing = (e, e, e, e, np.empty(0, dtype=np.bool_), np.empty((0, 0), dtype=np.int64), 0)
     for j in range(K):  # the list path's checks, in its order
         if N == 0 and sel[j] >= 0:
-            return EMPTY_TREE, e, e, e, e, np.empty(0, dtype=np.bool_), np.empty((0, 0), dtype=np.int64), 0
+            return (EMPTY_TREE,) + nothing
     for j in range(K):
         if sel[j] >= N:
-            return OUT_OF_RANGE, e, e, e, e, np.empty(0, dtype=np.bool_), np.empty((0, 0), dtype=np.int64), 0
+            return (OUT_OF_RANGE,) + nothing
     for j in range(K):
         if sel[j] >= 0 and not valid[sel[j]]:
-            return PADDED_NODE, e, e, e, e, np.empty(0, dtype=np.bool_), np.empty((0, 0), dtype=np.int64), 0
+            return (PADDED_NODE,) + nothing
     pos_of = np.zeros(N, dtype=np.int64)  # tree node -> layout position (0: not selected)
     for j in range(K):
         if sel[j] >= 0:
@@ -69,7 +70,7 @@ def layout_row(parents, tokens, depth, valid, sel, root):
         tp = parents[n]
         pp = pos_of[tp] if tp >= 0 else 0
         if pp >= j or (tp >= 0 and pp == 0):
-            return NOT_PARENT_CLOSED, e, e, e, e, np.empty(0, dtype=np.bool_), np.empty((0, 0), dtype=np.int64), 0
+            return (NOT_PARENT_CLOSED,) + nothing
         node_idx[j - 1], token_ids[j], out_depth[j], parent_pos[j], out_valid[j] = n, tokens[n], depth[n], pp, True
         count += 1
         max_depth = max(max_depth, depth[n])

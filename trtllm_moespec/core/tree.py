@@ -225,9 +225,10 @@ class TreeBuffer:
             # storage: each torch op costs ~5-40 us at these sizes, a numpy one ~1 us. The float math (log of
             # the probabilities, the score sums) is the same IEEE float32 arithmetic either way. The arrays
             # are made by numpy too (a new buffer every drafting step; torch's allocations cost more).
-            self._host = _HostViews(np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64), np.zeros((B, N), np.int64),
-                                    np.zeros((B, N), np.float32), np.full((B, N), _NEG_INF, np.float32),
-                                    np.zeros((B, N), np.bool_), np.arange(B)[:, None])
+            self._host = _HostViews(np.zeros((B, N), np.int64), np.full((B, N), -1, np.int64),
+                                    np.zeros((B, N), np.int64), np.zeros((B, N), np.float32),
+                                    np.full((B, N), _NEG_INF, np.float32), np.zeros((B, N), np.bool_),
+                                    np.arange(B)[:, None])
             h = self._host
             self.token_ids, self.parents, self.depth, self.draft_probs, self.log_scores, self.valid = (
                 torch.from_numpy(a) for a in (h.token_ids, h.parents, h.depth, h.draft_probs, h.log_scores, h.valid))
@@ -434,8 +435,8 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     as it is, without reading its depths back (a device sync for a tree on an accelerator)."""
     if tree.num_nodes <= max_depth:
         return tree
-    if tree.depth.device.type == "cpu" and tree.num_nodes and int(tree.depth.numpy().max()) <= max_depth:  # none deeper
-        return tree
+    if tree.depth.device.type == "cpu" and tree.num_nodes and int(tree.depth.numpy().max()) <= max_depth:
+        return tree  # no node is deeper (one host read instead of four tensor ops)
     keep = tree.valid & (tree.depth <= max_depth)
     if bool(keep.equal(tree.valid)):
         return tree

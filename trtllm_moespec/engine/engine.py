@@ -409,7 +409,8 @@ def _unique_per_layer(out: TargetOutput, num_experts: int) -> float:
     T, L = ids.shape[:2]
     if T == 1:  # one token's top-k experts are distinct
         return float(ids.shape[2])
-    if ids.device.type == "cpu" and num_experts <= 64 and hasattr(np, "bitwise_count"):  # each layer's woken set as one 64-bit mask
+    if ids.device.type == "cpu" and num_experts <= 64 and hasattr(np, "bitwise_count"):  # numpy >= 2
+        # each layer's woken set as one 64-bit mask: three numpy calls
         bits = np.bitwise_or.reduce(np.left_shift(np.uint64(1), ids.numpy().astype(np.uint64)), axis=(0, 2))  # [L]
         return float(np.bitwise_count(bits).sum()) / L
     if ids.device.type == "cpu":  # a few hundred ints: one numpy sort beats a scatter of tensor ops

@@ -132,7 +132,7 @@ def draft_eagle3_trees(
             hidden, ids = t.inputs()
             # forward itself: Module.__call__'s hook bookkeeping costs ~15 us a call in a CPU step (issue 25)
             out = drafter.forward(hidden, input_ids=ids, position_ids=t.positions[step:step + 1, :t.width],
-                          attention_mask=t.mask(), cache_kv=t.kv, cache_start=t.start + t.num_slots)
+                                  attention_mask=t.mask(), cache_kv=t.kv, cache_start=t.start + t.num_slots)
         else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
             t = active[0]
             out = frontier_runner.run(t.kv, *t.inputs(), t.start + step, t.start + t.num_slots, t.mask())
@@ -198,7 +198,8 @@ class _TreeDraft:
                              h.log_scores[0], h.valid[0], self._hidden_np, masks._rows_np, masks._mask_np,
                              self._next, self._in_hidden.numpy()[0], self._in_ids.numpy()[0])
             self._target_ids = drafter.draft_vocab_target_ids().numpy()
-            self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64), is_root=True)
+            self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64),
+                             is_root=True)
             self.frontier = torch.from_numpy(self._next[None])  # a view: each grow rewrites it
         else:
             ids, probs = _top_children(drafter, root_probs, topk)  # [1, 1, topk]
