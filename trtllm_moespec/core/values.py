@@ -86,7 +86,7 @@ def with_values(tree: DraftTree, values: torch.Tensor) -> DraftTree:
     """The same tree with its path scores replaced by values [B, N] (what the policies rank on)."""
     if values.shape != tree.token_ids.shape:
         raise ValueError(f"values {tuple(values.shape)} do not match the tree {tuple(tree.token_ids.shape)}")
-    log_v = torch.where(tree.valid, values.float().clamp(min=1e-30).log(), torch.full_like(values.float(), -math.inf))
+    log_v = values.float().clamp(min=1e-30).log_().masked_fill_(~tree.valid, -math.inf)  # the padding: -inf
     return DraftTree(tree.token_ids, tree.parents, tree.depth, tree.draft_probs, log_v, tree.valid)
 
 

@@ -190,13 +190,17 @@ def _sampled_tree_host(layout: TreeLayout, target_logits: torch.Tensor, configs:
 
 def _host_result(paths: list[list[int]], bonuses: list[int], tokens: list[list[int]], D: int) -> VerifyResult:
     """The VerifyResult of host walks: per request its accepted layout positions and bonus token."""
-    pad = [D - len(path) for path in paths]
-    accepted = [path + [-1] * n for path, n in zip(paths, pad)]
-    emitted = [[row[j] for j in path] + [bonus] + [-1] * n for path, bonus, row, n in zip(paths, bonuses, tokens, pad)]
-    num_accepted = torch.tensor([len(path) for path in paths], dtype=torch.int64)
     B = len(paths)
-    return VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(B, D), num_accepted,
-                        torch.tensor(emitted, dtype=torch.int64).reshape(B, D + 1), num_accepted + 1)
+    # numpy arrays handed to torch: a few calls fewer than tensors made from nested lists (issue 25)
+    accepted, emitted = np.full((B, D), -1, dtype=np.int64), np.full((B, D + 1), -1, dtype=np.int64)
+    counts = np.empty((2, B), dtype=np.int64)  # accepted and emitted per request
+    for b, (path, bonus, row) in enumerate(zip(paths, bonuses, tokens)):
+        n = len(path)
+        accepted[b, :n] = path
+        emitted[b, :n + 1] = [row[j] for j in path] + [bonus]
+        counts[:, b] = n, n + 1
+    return VerifyResult(torch.from_numpy(accepted), torch.from_numpy(counts[0]), torch.from_numpy(emitted),
+                        torch.from_numpy(counts[1]))
 
 
 def _greedy_tree(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResult:

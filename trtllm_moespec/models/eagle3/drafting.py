@@ -206,9 +206,12 @@ class _TreeDraft:
             probs = self._alive_only(probs)
             self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
             self._write_hidden(0, cache.last_hidden[0][None])
-        # [steps - 1, topk] view: row `step` holds position S + step (one op for the whole draft)
-        self.positions = torch.arange(self.start, self.start + max(steps - 1, 0), device=device)[:, None].expand(
-            max(steps - 1, 0), topk)
+        # [steps - 1, topk]: row `step` holds position S + step (made once for the whole draft; on CPU by numpy)
+        rows = max(steps - 1, 0)
+        if device.type == "cpu":
+            self.positions = torch.from_numpy(np.repeat(np.arange(self.start, self.start + rows)[:, None], topk, 1))
+        else:
+            self.positions = torch.arange(self.start, self.start + rows, device=device)[:, None].expand(rows, topk)
         self.stopped = False
         self.padded = padded  # expand the frontier with its -1 pads, never reading how many are real
         self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded (-1 pads when padded)
