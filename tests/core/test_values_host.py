@@ -107,6 +107,22 @@ def test_compiled_isotonic_equals_the_reference(seed):
     np.testing.assert_allclose(out, isotonic_fit(y, w), rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seeds)
+def test_compiled_refit_changes_only_the_named_groups_as_the_reference_fits_them(seed):
+    rng = np.random.default_rng(seed)
+    G, M = int(rng.integers(1, 12)), int(rng.integers(1, 10))
+    trials = rng.integers(0, 20, (G, M)).astype(np.float64) + rng.uniform(0.1, 1, (G, M))  # a prior's weight
+    hits = np.floor(trials * rng.uniform(0, 1, (G, M)))
+    groups = rng.choice(G, int(rng.integers(0, G + 1)), replace=False).astype(np.int64)
+    maps = rng.uniform(0, 1, (G, M))
+    before = maps.copy()
+    compiled_values()[3](hits, trials, groups, maps)
+    for g in range(G):
+        want = isotonic_fit(hits[g] / np.maximum(trials[g], 1e-12), trials[g]) if g in groups else before[g]
+        np.testing.assert_allclose(maps[g], want, rtol=1e-12, atol=1e-12)
+
+
 def test_the_switch_turns_the_compiled_values_and_selection_off(monkeypatch):
     from trtllm_moespec.core.select_host import compiled_evict
 

@@ -318,12 +318,13 @@ class OnlineCalibration:
             self._maps = np.zeros_like(self.trials)
             self._stale = set(range(self.trials.shape[0]))
         kernels = compiled_values()
-        for g in self._stale:
-            rate = self.accepted[g] / np.maximum(self.trials[g], 1e-12)
-            if kernels is None:
+        if kernels is not None:  # every changed group in one compiled call
+            if self._stale:
+                kernels[3](self.accepted, self.trials, np.fromiter(self._stale, np.int64, len(self._stale)), self._maps)
+        else:
+            for g in self._stale:
+                rate = self.accepted[g] / np.maximum(self.trials[g], 1e-12)
                 self._maps[g] = isotonic_fit(rate, self.trials[g])
-            else:
-                kernels[1](rate, self.trials[g], self._maps[g])
         self._stale = set()
         return self._maps
 

@@ -30,14 +30,20 @@ MIN_COND = 1e-6  # values.MIN_COND: keeps log(value) finite
 
 
 def compiled_values():
-    """(calibrated_values, isotonic, add_trials) compiled, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
+    """(calibrated_values, isotonic, add_trials, refit_maps) compiled, or None when numba is missing or
+    MOESPEC_FUSED_VALUES=0."""
     return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
 
 
 @lru_cache(maxsize=1)
 def _compiled():
     jit = numba_jit()
-    return None if jit is None else (jit(calibrated_values), jit(isotonic), jit(add_trials))
+    if jit is None:
+        return None
+    # numba compiles the helper refit_maps calls by its global name: that name now holds the compiled one
+    global isotonic
+    isotonic = jit(isotonic)
+    return jit(calibrated_values), isotonic, jit(add_trials), jit(refit_maps)
 
 
 def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, num_depths, num_ranks, split_copy,
@@ -118,6 +124,16 @@ def isotonic(y, w, out):
         for _ in range(size[b]):
             out[i] = level[b]
             i += 1
+
+
+def refit_maps(hits, trials, groups, maps):
+    """maps[g] = the isotonic fit of hits[g] / max(trials[g], 1e-12) weighted by trials[g], for each g of
+    groups [n] (the groups whose counts changed): `OnlineCalibration.maps`' refit in one call."""
+    rate = np.empty(hits.shape[1], dtype=np.float64)
+    for g in groups:
+        for m in range(hits.shape[1]):
+            rate[m] = hits[g, m] / max(trials[g, m], 1e-12)
+        isotonic(rate, trials[g], maps[g])
 
 
 def add_trials(parents, selected, accepted, groups, local, edges, trials, hits, touched):
