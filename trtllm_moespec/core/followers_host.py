@@ -14,30 +14,17 @@ reference path.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from .host_jit import numba_jit, switched_on
+from .host_jit import compiled_kernels
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key * 2^64 / phi
 
 
 def compiled_followers():
     """(insert_followers, copies_of) compiled, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
-
-
-@lru_cache(maxsize=1)
-def _compiled():
-    jit = numba_jit()
-    if jit is None:
-        return None
-    # numba compiles the helpers by their global names: those names now hold the compiled ones
-    global _slot, _lookup
-    _slot = jit(_slot)
-    _lookup = jit(_lookup)
-    return jit(insert_followers), jit(copies_of)
+    return compiled_kernels("MOESPEC_FUSED_VALUES", globals(), ("insert_followers", "copies_of"),
+                            helpers=("_slot", "_lookup"))
 
 
 class BigramFollowers:

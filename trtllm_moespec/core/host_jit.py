@@ -1,10 +1,12 @@
 """numba for the CPU step's host work: the compiled drafting step (models/eagle3/fused_step.py), node
-values (values_host.py) and EVICT's selection (select_host.py). Each is optional: without numba, or with
-its switch set to 0, the numpy/torch path it was written against runs instead."""
+values (values_host.py, followers_host.py), selection (select_host.py) and layout (layout_host.py). Each
+is optional: without numba, or with its switch set to 0, the numpy/torch path it was written against runs
+instead."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 
 def switched_on(variable: str) -> bool:
@@ -19,3 +21,29 @@ def numba_jit():
     except ImportError:
         return None
     return numba.njit(cache=True, nogil=True)
+
+
+_compiled: dict[tuple[str, tuple[str, ...]], tuple | None] = {}
+_compiling = threading.Lock()
+
+
+def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], helpers: tuple[str, ...] = ()
+                     ) -> tuple | None:
+    """A module's `kernels` compiled (namespace: its `globals()`), once per module, or None when numba is
+    missing or `switch` is 0. numba compiles the helpers a kernel calls by their global names, so those
+    names are first rebound to their compiled versions (still plain callables from Python); a kernel that
+    is also a helper comes back as that compiled helper."""
+    if not switched_on(switch):
+        return None
+    key = (namespace["__name__"], kernels)
+    if key in _compiled:  # every step asks: no lock once compiled
+        return _compiled[key]
+    with _compiling:
+        if key not in _compiled:
+            jit = numba_jit()
+            if jit is not None:
+                for name in helpers:
+                    namespace[name] = jit(namespace[name])
+            _compiled[key] = None if jit is None else tuple(
+                namespace[name] if name in helpers else jit(namespace[name]) for name in kernels)
+    return _compiled[key]

@@ -14,11 +14,9 @@ the compiled step host work, values_host.py) the list path runs.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from .host_jit import numba_jit, switched_on
+from .host_jit import compiled_kernels
 
 # layout_row's outcomes: 0 laid out, else the error the list path raises
 EMPTY_TREE, OUT_OF_RANGE, PADDED_NODE, NOT_PARENT_CLOSED = 1, 2, 3, 4
@@ -26,13 +24,8 @@ EMPTY_TREE, OUT_OF_RANGE, PADDED_NODE, NOT_PARENT_CLOSED = 1, 2, 3, 4
 
 def compiled_layout():
     """The compiled `layout_row`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
-
-
-@lru_cache(maxsize=1)
-def _compiled():
-    jit = numba_jit()
-    return None if jit is None else jit(layout_row)
+    kernels = compiled_kernels("MOESPEC_FUSED_VALUES", globals(), ("layout_row",))
+    return None if kernels is None else kernels[0]
 
 
 def layout_row(parents, tokens, depth, valid, sel, root):

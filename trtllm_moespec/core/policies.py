@@ -80,9 +80,13 @@ class SelectionPolicy(ABC):
         target_scores: [B, N] the target's local probability of each node (oracle only)."""
 
 
-def _from_prefix(order: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, cost: torch.Tensor | None) -> Selection:
-    """Selection = the first k[b] entries of order[b] (numpy inside: these tensors are tiny)."""
-    return _prefix_selection(order.cpu().numpy(), k.cpu().numpy(), scores.detach().cpu().numpy(), cost, order.device)
+def _from_prefix(order: torch.Tensor, k: torch.Tensor | None, scores: torch.Tensor,
+                 cost: torch.Tensor | None) -> Selection:
+    """Selection = the first k[b] entries of order[b] (None: every entry that names a node; numpy inside:
+    these tensors are tiny)."""
+    o = order.cpu().numpy()
+    kk = (o >= 0).sum(1) if k is None else k.cpu().numpy()
+    return _prefix_selection(o, kk, scores.detach().cpu().numpy(), cost, order.device)
 
 
 def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.Tensor | np.ndarray | None,
@@ -123,11 +127,7 @@ class Eagle3Policy(SelectionPolicy):
         _check_budget(self.budget, "eagle3")
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
-        order = top_k_nodes(tree, self.budget)
-        if order.device.type == "cpu":  # the same, in numpy (a few small ops fewer per step)
-            o = order.numpy()
-            return _prefix_selection(o, (o >= 0).sum(1), tree.scores.numpy(), None, order.device)
-        return _from_prefix(order, (order >= 0).sum(1), tree.scores, None)
+        return _from_prefix(top_k_nodes(tree, self.budget), None, tree.scores, None)
 
 
 @dataclass(frozen=True)

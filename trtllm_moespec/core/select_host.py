@@ -15,38 +15,26 @@ of the other compiled step-host work, values_host.py) the numpy path runs.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from .host_jit import numba_jit, switched_on
+from .host_jit import compiled_kernels
 
 
 def compiled_evict():
     """The compiled `evict_prefix`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    kernels = _switched()
+    kernels = _kernels()
     return None if kernels is None else kernels[1]
 
 
 def compiled_top():
     """The compiled `top_nodes`, or None when numba is missing or MOESPEC_FUSED_VALUES=0."""
-    kernels = _switched()
+    kernels = _kernels()
     return None if kernels is None else kernels[0]
 
 
-def _switched():
-    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
-
-
-@lru_cache(maxsize=1)
-def _compiled():
-    jit = numba_jit()
-    if jit is None:
-        return None
-    # numba compiles the helper evict_prefix calls by its global name: that name now holds the compiled one
-    global top_nodes
-    top_nodes = jit(top_nodes)
-    return top_nodes, jit(evict_prefix)
+def _kernels():
+    # evict_prefix calls top_nodes: a helper too
+    return compiled_kernels("MOESPEC_FUSED_VALUES", globals(), ("top_nodes", "evict_prefix"), helpers=("top_nodes",))
 
 
 def top_nodes(log_scores, depth, valid, order):

@@ -20,11 +20,9 @@ numba is optional: without it (or with MOESPEC_FUSED_VALUES=0) the numpy path ru
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from .host_jit import numba_jit, switched_on
+from .host_jit import compiled_kernels
 
 MIN_COND = 1e-6  # values.MIN_COND: keeps log(value) finite
 
@@ -32,18 +30,9 @@ MIN_COND = 1e-6  # values.MIN_COND: keeps log(value) finite
 def compiled_values():
     """(calibrated_values, isotonic, add_trials, refit_maps) compiled, or None when numba is missing or
     MOESPEC_FUSED_VALUES=0."""
-    return _compiled() if switched_on("MOESPEC_FUSED_VALUES") else None
-
-
-@lru_cache(maxsize=1)
-def _compiled():
-    jit = numba_jit()
-    if jit is None:
-        return None
-    # numba compiles the helper refit_maps calls by its global name: that name now holds the compiled one
-    global isotonic
-    isotonic = jit(isotonic)
-    return jit(calibrated_values), isotonic, jit(add_trials), jit(refit_maps)
+    return compiled_kernels("MOESPEC_FUSED_VALUES", globals(),
+                            ("calibrated_values", "isotonic", "add_trials", "refit_maps"),
+                            helpers=("isotonic",))  # refit_maps calls isotonic
 
 
 def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, num_depths, num_ranks, split_copy,

@@ -19,28 +19,16 @@ numba is optional: without it (or with MOESPEC_FUSED_DRAFT=0) drafting takes the
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from ...core.host_jit import numba_jit, switched_on
+from ...core.host_jit import compiled_kernels
 
 
 def fused_grow_step():
     """The compiled `grow_step`, or None when numba is missing or MOESPEC_FUSED_DRAFT=0 turns it off."""
-    return _compiled() if switched_on("MOESPEC_FUSED_DRAFT") else None
-
-
-@lru_cache(maxsize=1)
-def _compiled():
-    jit = numba_jit()
-    if jit is None:
-        return None
-    # numba compiles the helpers grow_step calls by their global names: those names now hold the compiled
-    # helpers (still plain callables from Python)
-    global _top_indices, _next_frontier
-    _top_indices, _next_frontier = jit(_top_indices), jit(_next_frontier)
-    return jit(grow_step)
+    kernels = compiled_kernels("MOESPEC_FUSED_DRAFT", globals(), ("grow_step",),
+                               helpers=("_top_indices", "_next_frontier"))  # grow_step calls both
+    return None if kernels is None else kernels[0]
 
 
 def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefix_len, is_root, hidden_value,
