@@ -28,7 +28,7 @@ def _tied(tree: DraftTree, rng: np.random.Generator) -> DraftTree:
 
 def _table(rng: np.random.Generator, n: int) -> CostTable:
     steps = rng.uniform(0.0, 2.0, n + 1)
-    steps[1] += rng.uniform(0, 8)  # the first verified node costs most (MoE: its experts)
+    steps[1:2] += rng.uniform(0, 8)  # the first verified node costs most (MoE: its experts); n = 0: C(0) alone
     return CostTable(tuple(np.cumsum(steps) + 10.0))
 
 
@@ -41,7 +41,7 @@ def test_compiled_evict_selects_as_the_numpy_path(seed):
         if seed % 2 else random_tree(rng, 1, int(rng.integers(1, 30)), vocab=5)
     if seed % 3 == 0:
         tree = _tied(tree, rng)
-    policy = make_policy("evict", cost_table=_table(rng, int(rng.integers(1, 40))),
+    policy = make_policy("evict", cost_table=_table(rng, int(rng.integers(0, 40))),
                          budget=None if seed % 4 else int(rng.integers(1, 10)))
     got = policy.select(tree)
     with patch.object(policies, "compiled_evict", lambda: None):
@@ -49,6 +49,17 @@ def test_compiled_evict_selects_as_the_numpy_path(seed):
     assert got.node_idx.tolist() == ref.node_idx.tolist()
     assert torch.equal(got.num_selected, ref.num_selected)
     assert torch.equal(got.expected_tokens, ref.expected_tokens) and torch.equal(got.predicted_cost, ref.predicted_cost)
+
+
+def test_a_table_of_c0_alone_selects_nothing_and_writes_nothing_outside_the_order():
+    """A cost table of C(0) alone caps the selection at 0 nodes: the compiled top-k gets an empty order, which
+    it must leave alone (it once wrote order[-1], before the array: heap corruption that hung a CI run; the suite
+    runs numba with bounds checks, tests/conftest.py, so such a write fails here)."""
+    tree = DraftTree.from_parents(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]), torch.tensor([[0.9, 0.8]]))
+    got = make_policy("evict", cost_table=CostTable((1.0,))).select(tree)
+    assert got.num_selected.tolist() == [0] and got.node_idx.shape == (1, 0)
+    order = np.full(0, 7, dtype=np.int64)
+    assert compiled_top()(tree.log_scores[0].numpy(), tree.depth[0].numpy(), tree.valid[0].numpy(), order) == 0
 
 
 def test_a_tie_in_the_ratio_goes_to_the_smaller_prefix():

@@ -15,12 +15,18 @@ def switched_on(variable: str) -> bool:
 
 
 def numba_jit():
-    """`numba.njit` as these kernels use it (cached beside the module, no GIL), or None without numba."""
+    """`numba.njit` as these kernels use it (cached beside the module, no GIL, bounds-checked), or None
+    without numba.
+
+    Bounds checks: an index past an array raises IndexError instead of reading or writing outside it. An
+    unchecked write once corrupted the heap (`select_host.top_nodes` given an empty order by a cost table of
+    C(0) alone) and hung a test run; checked, the kernels cost ~0.04 ms more per speculative step on
+    moespec-base (of ~30 ms; benchmarks/bench_step_overhead.py with NUMBA_BOUNDSCHECK=0 and 1 alternated)."""
     try:
         import numba
     except ImportError:
         return None
-    return numba.njit(cache=True, nogil=True)
+    return numba.njit(cache=True, nogil=True, boundscheck=True)
 
 
 _compiled: dict[tuple[str, tuple[str, ...]], tuple | None] = {}

@@ -44,6 +44,8 @@ def top_nodes(log_scores, depth, valid, order):
     log_scores [N] float32 (what the order compares, as float64); depth [N] int64; valid [N] bool.
     """
     M = order.shape[0]
+    if M == 0:  # nothing to keep (a cap of 0: a cost table of C(0) alone); order[M - 1] below would write before the array
+        return 0
     n = 0  # entries of order filled
     for v in range(valid.shape[0]):
         if not valid[v]:
