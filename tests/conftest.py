@@ -79,6 +79,7 @@ def pytest_report_header(config):
     return f"watchdog: a test stuck past {WATCHDOG_S} s ends its process, every thread's stack in {_WATCHDOG_DIR}"
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: runs without xdist (tests.mutants) must not miss it
 def pytest_testnodedown(node, error):
     """(xdist, controller) A worker that died: print what its watchdog logged."""
     if not error:
