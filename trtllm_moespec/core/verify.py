@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .accept_host import compiled_greedy_walk
 from .layout import TreeLayout
 from .sampling import SamplingConfig, all_finite, sample_from_probs, target_probs
 from .seeded import PositionKeys
@@ -239,12 +240,30 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
     (~2 us a call against ~10 for torch's), which, like torch, returns the first maximum.
     """
     logits = target_logits.numpy() if target_logits.dtype in (torch.float32, torch.float64) else target_logits.float().numpy()
+    walk = compiled_greedy_walk()
+    if walk is not None:  # the walk, its argmaxes and checks in one compiled call per request (accept_host.py)
+        return _greedy_tree_compiled(walk, layout, logits)
     # argmax at visited nodes only (a few of the T rows)
     result, paths = _chain_host(layout, lambda b, pos, depth: int(logits[b, pos].argmax()))
     for b, path in enumerate(paths):
         if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
             raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
     return result
+
+
+def _greedy_tree_compiled(walk, layout: TreeLayout, logits: np.ndarray) -> VerifyResult:
+    """_greedy_tree_host through `accept_host.greedy_walk`: logits [B, T, V] as numpy."""
+    B, D = layout.batch_size, layout.max_depth
+    accepted, emitted = np.empty((B, D), dtype=np.int64), np.empty((B, D + 1), dtype=np.int64)
+    counts = np.empty((2, B), dtype=np.int64)  # accepted and emitted per request
+    parents, tokens, valid = layout.parent_pos.numpy(), layout.token_ids.numpy(), layout.valid.numpy()
+    for b in range(B):
+        n = walk(logits[b], parents[b], tokens[b], valid[b], accepted[b], emitted[b])
+        if n < 0:
+            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        counts[:, b] = n, n + 1
+    return VerifyResult(torch.from_numpy(accepted), torch.from_numpy(counts[0]), torch.from_numpy(emitted),
+                        torch.from_numpy(counts[1]))
 
 
 def _chain_host(layout: TreeLayout, pick: Callable[[int, int, int], int]) -> tuple[VerifyResult, list[list[int]]]:
