@@ -10,6 +10,7 @@ scheduler time slices.
 import errno
 import faulthandler
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -57,7 +58,10 @@ def disk_full_in(monkeypatch):
 # CI's limit. Past WATCHDOG_S faulthandler, from a C thread, writes every thread's stack to a log and ends the
 # test process; under xdist the controller reports the crashed test and prints the log.
 WATCHDOG_S = 420
-_WATCHDOG_DIR = Path(os.environ.setdefault("MOESPEC_WATCHDOG_DIR", tempfile.mkdtemp(prefix="moespec-watchdog-")))
+_OWN_WATCHDOG_DIR = "MOESPEC_WATCHDOG_DIR" not in os.environ  # this process makes it (xdist's workers inherit it)
+if _OWN_WATCHDOG_DIR:
+    os.environ["MOESPEC_WATCHDOG_DIR"] = tempfile.mkdtemp(prefix="moespec-watchdog-")
+_WATCHDOG_DIR = Path(os.environ["MOESPEC_WATCHDOG_DIR"])
 _watchdog_log = None
 
 
@@ -88,3 +92,8 @@ def pytest_testnodedown(node, error):
         text = log.read_text(errors="replace")
         if "Thread 0x" in text or "Current thread" in text:
             sys.stderr.write(f"\n---- watchdog log of {node.gateway.id} ({log}) ----\n{text}\n")
+
+
+def pytest_unconfigure(config):
+    if _OWN_WATCHDOG_DIR:
+        shutil.rmtree(_WATCHDOG_DIR, ignore_errors=True)
