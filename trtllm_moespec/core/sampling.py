@@ -37,6 +37,10 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# the refusal of every verify path
+CORRUPT_LOGITS = "target logits contain NaN or inf; refusing to verify against a corrupt distribution"
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """No NaN or inf in x. CPU float32/64 through numpy: one ~2 us call where torch's check and
     reduction cost ~35 us, paid at every verified position of every step."""
@@ -48,7 +52,7 @@ def all_finite(x: torch.Tensor) -> bool:
 def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """[M, V] logits -> [M, V] float32 target distribution under `cfg`."""
     if not all_finite(logits):
-        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        raise ValueError(CORRUPT_LOGITS)
     logits = logits.float()
     if cfg.greedy:
         probs = torch.zeros_like(logits)

@@ -44,7 +44,7 @@ import torch
 
 from .accept_host import compiled_greedy_walk
 from .layout import TreeLayout
-from .sampling import SamplingConfig, all_finite, sample_from_probs, target_probs
+from .sampling import CORRUPT_LOGITS, SamplingConfig, all_finite, sample_from_probs, target_probs
 from .seeded import PositionKeys
 
 
@@ -200,8 +200,7 @@ def _host_result(paths: list[list[int]], bonuses: list[int], tokens: list[list[i
         accepted[b, :n] = path
         emitted[b, :n + 1] = [row[j] for j in path] + [bonus]
         counts[:, b] = n, n + 1
-    return VerifyResult(torch.from_numpy(accepted), torch.from_numpy(counts[0]), torch.from_numpy(emitted),
-                        torch.from_numpy(counts[1]))
+    return _arrays_result(accepted, emitted, counts)
 
 
 def _greedy_tree(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResult:
@@ -226,7 +225,7 @@ def _greedy_tree(layout: TreeLayout, target_logits: torch.Tensor) -> VerifyResul
     visited = paths[rows, last]  # [B, D+1] root .. last, -1 pad
     seen = target_logits.gather(1, visited.clamp(min=0)[:, :, None].expand(-1, -1, target_logits.shape[-1]))
     if not torch.isfinite(seen[visited >= 0]).all():
-        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        raise ValueError(CORRUPT_LOGITS)
     return _result(layout, visited[:, 1:], depth[rows, last], best[rows, last])
 
 
@@ -247,8 +246,14 @@ def _greedy_tree_host(layout: TreeLayout, target_logits: torch.Tensor) -> Verify
     result, paths = _chain_host(layout, lambda b, pos, depth: int(logits[b, pos].argmax()))
     for b, path in enumerate(paths):
         if not np.isfinite(logits[b, [0] + path]).all():  # (numpy rows: see all_finite)
-            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+            raise ValueError(CORRUPT_LOGITS)
     return result
+
+
+def _arrays_result(accepted: np.ndarray, emitted: np.ndarray, counts: np.ndarray) -> VerifyResult:
+    """A VerifyResult of host arrays: accepted [B, D], emitted [B, D+1] and counts [2, B] (accepted, emitted)."""
+    return VerifyResult(torch.from_numpy(accepted), torch.from_numpy(counts[0]), torch.from_numpy(emitted),
+                        torch.from_numpy(counts[1]))
 
 
 def _greedy_tree_compiled(walk, layout: TreeLayout, logits: np.ndarray) -> VerifyResult:
@@ -260,10 +265,9 @@ def _greedy_tree_compiled(walk, layout: TreeLayout, logits: np.ndarray) -> Verif
     for b in range(B):
         n = walk(logits[b], parents[b], tokens[b], valid[b], accepted[b], emitted[b])
         if n < 0:
-            raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+            raise ValueError(CORRUPT_LOGITS)
         counts[:, b] = n, n + 1
-    return VerifyResult(torch.from_numpy(accepted), torch.from_numpy(counts[0]), torch.from_numpy(emitted),
-                        torch.from_numpy(counts[1]))
+    return _arrays_result(accepted, emitted, counts)
 
 
 def _chain_host(layout: TreeLayout, pick: Callable[[int, int, int], int]) -> tuple[VerifyResult, list[list[int]]]:
@@ -293,7 +297,7 @@ def _plain_greedy(target_logits: torch.Tensor) -> VerifyResult:
     argmax, like torch's, returns the first maximum."""
     logits = target_logits[:, 0]  # [B, V]
     if not all_finite(logits):
-        raise ValueError("target logits contain NaN or inf; refusing to verify against a corrupt distribution")
+        raise ValueError(CORRUPT_LOGITS)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return _root_only_result(torch.from_numpy(logits.numpy().argmax(-1)))
     return _root_only_result(logits.argmax(-1))
