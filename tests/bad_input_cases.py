@@ -52,6 +52,8 @@ CASES: tuple[Case, ...] = (
          "error naming the file and `expert_model.c0` (was: TypeError traceback)"),
     Case("profile-costs-field", "CLI", "cost profile with `\"costs\": \"abc\"`",
          "error naming the file and `costs` (was: could not convert string to float)"),
+    Case("policy-defaults-unknown-option", "CLI", "a model's `policy_defaults.json` tuning an option the policy "
+         "does not take (`{\"gamma\": 5}`)", "error naming the file, the policy and the option, before any weights load"),
     Case("prompt-file-directory", "CLI", "`--prompt-file` naming a directory", "error naming the path (was: traceback)"),
     Case("device-tpu", "CLI", "`--device tpu`", "error: unknown device (was: traceback)"),
     Case("seed-huge", "CLI", "`--seed 99999999999999999999999`",

@@ -101,6 +101,12 @@ def files(tmp_path_factory):
     (root / "em.json").write_text(json.dumps(dict(profile, expert_model={"c0": "x"})))
     (root / "costs.json").write_text(json.dumps(dict(profile, costs="abc")))
     f["em_profile"], f["costs_profile"] = root / "em.json", root / "costs.json"
+    tuned = root / "tuned"
+    shutil.copytree(target, tuned)
+    entry = {"options": {"gamma": 5}, "tree": [4, 8, 32], "device": "cpu"}
+    (tuned / "policy_defaults.json").write_text(json.dumps(
+        {"format": "moespec-policy-defaults/1", "model_id": "tuned", "policies": {"eagle3": entry}}))
+    f["tuned"] = tuned
 
     (root / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     (root / "long.txt").write_text("def f(x):\n    return x + 1\n" * 150)  # > 512 tokens
@@ -141,6 +147,9 @@ CLI_CASES = {
     "profile-costs-field": (
         ["generate", "--model", "{target}", "--draft-model", "{draft}", "--policy", "evict",
          "--cost-profile", "{costs_profile}"], r"cost profile .*costs\.json: field 'costs' must be a list of numbers"),
+    "policy-defaults-unknown-option": (
+        ["generate", "--model", "{tuned}", "--draft-model", "{draft}", "--policy", "eagle3"],
+        r"policy defaults .*tuned/policy_defaults\.json, policy 'eagle3': unknown options \['gamma'\]"),
     "tree-topk-over-vocab": (["generate", "--model", "{target}", "--draft-model", "{draft}", "--policy", "eagle3",
                               "--tree", "1,200,8"], r"tree topk 200 exceeds the drafter's vocabulary of 128 tokens"),
     "missing-tensor": (["generate", "--model", "{missing}", "--policy", "ar"],

@@ -23,6 +23,8 @@ from .core.cost import CostTable, RooflineCostModel
 from .core.policies import POLICIES
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
+from .policy_defaults import FILE_NAME as POLICY_DEFAULTS_NAME
+from .policy_defaults import with_tuned_options
 
 log = logging.getLogger(__name__)
 __all__ = ["TINY", "ModelPaths", "resolve_config", "resolve_model"]
@@ -41,6 +43,7 @@ class ModelPaths:
     predictor_head: Path | None = None  # our draft-head predictor shipped with the model, if any
     calibrator: Path | None = None  # value calibrator prior (core/values.py) shipped with the model, if any
     acceptance_head: Path | None = None  # learned acceptance head shipped with the model, if any
+    policy_defaults: Path | None = None  # the model's tuned policy options (policy_defaults.py), if any
 
 
 def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> ResolvedConfig:
@@ -84,7 +87,9 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         guard=_resolve_guard(policy, spec.guard, rules_profile),
         draft_stop=_resolve_draft_stop(policy, spec.draft_stop, rules_profile),
         ddd_threshold=spec.ddd_threshold if spec.ddd_threshold is not None else (0.3 if policy == "ddd" else None),
-        oracle_predictor=spec.predictor == "oracle", tree=tree, policy_options=dict(spec.policy_options or {}))
+        oracle_predictor=spec.predictor == "oracle", tree=tree,
+        policy_options=with_tuned_options(policy, spec.policy_options or {}, paths.policy_defaults, paths.model_id,
+                                          tree.as_tuple(), device_name(device)))
 
 
 def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:
@@ -148,16 +153,18 @@ def resolve_model(model: str, draft_model: str | None = None, predictor: str | N
         profile = p["target"].parent / PROFILE_NAME
         head = p["predictor_head"] if p["predictor_head"].is_dir() else None
         values_dir = {"calibrator": p["calibrator"] if p["calibrator"].is_file() else None,
-                      "acceptance_head": p["acceptance_head"] if p["acceptance_head"].is_dir() else None}
+                      "acceptance_head": p["acceptance_head"] if p["acceptance_head"].is_dir() else None,
+                      "policy_defaults": p["policy_defaults"] if p["policy_defaults"].is_file() else None}
     else:
         target = Path(model).expanduser()
         if not target.is_dir():
             raise FileNotFoundError(f"model directory not found: {model} (models are loaded from local directories "
                                     f"only; use one of {', '.join(map(repr, SHIPPED_MODELS))} for an embedded model)")
         draft, pred, model_id, profile, head = None, None, target.resolve().name, target / PROFILE_NAME, None
-        calib, head_dir = target / CALIBRATOR_NAME, target / ACCEPTANCE_HEAD_NAME
+        calib, head_dir, tuned = target / CALIBRATOR_NAME, target / ACCEPTANCE_HEAD_NAME, target / POLICY_DEFAULTS_NAME
         values_dir = {"calibrator": calib if calib.is_file() else None,
-                      "acceptance_head": head_dir if head_dir.is_dir() else None}
+                      "acceptance_head": head_dir if head_dir.is_dir() else None,
+                      "policy_defaults": tuned if tuned.is_file() else None}
     if draft_model is not None:
         given = _existing_dir(draft_model, "draft model")
         if draft is None or given.resolve() != draft.resolve():

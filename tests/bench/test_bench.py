@@ -67,6 +67,23 @@ def test_full_run_schema_markdown_and_plots(model, tmp_path, capsys):
     assert json.loads(last)["status"] == "complete"
 
 
+def test_the_report_names_the_options_a_model_tuned(model, tmp_path):
+    """A method that runs on the model's policy_defaults.json says so; one that set the option itself does not."""
+    import shutil
+
+    target = tmp_path / "tuned" / "qwen3_moe"  # the profile's model id is the directory's name
+    shutil.copytree(model[1], target)
+    entry = {"options": {"budget": 2}, "tree": [2, 4, 8], "device": "cpu"}
+    (target / "policy_defaults.json").write_text(json.dumps(
+        {"format": "moespec-policy-defaults/1", "model_id": "qwen3_moe", "policies": {"ecospec": entry}}))
+    out = tmp_path / "out"
+    args = ["--model", str(target)] + model[2:]
+    assert bench_main(args + ["--methods", "ar,ecospec", "--gamma-sweep", "5", "--num-prompts", "1", "--max-tokens", "3",
+                              "--datasets", "gsm8k", "--json", str(out / "r.json"), "--markdown", str(out / "r.md")]) == 0
+    assert json.loads((out / "r.json").read_text())["config"]["tuned_options"] == {"ecospec": {"budget": 2}}
+    assert "tuned policy defaults (`policy_defaults.json`): ecospec budget=2." in (out / "r.md").read_text()
+
+
 def _lossy(monkeypatch, label: str):
     """Make one method drop greedy exactness: its last emitted token is changed."""
     real = MethodRunner.generate

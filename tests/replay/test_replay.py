@@ -114,3 +114,32 @@ def test_hindsight_prefix_bounds_the_stop_rule_and_the_oracle_bounds_it(recorded
         assert ratio(step, oracle_selection(step, cost, 32)) >= ratio(step, best) - 1e-12
         strict += ratio(step, best) > ratio(step, mine) + 1e-12
     assert strict > 0  # the bound is not the policy itself
+
+
+def test_tune_keeps_the_best_replayed_value_and_writes_it_beside_other_policies(recorded, tmp_path, capsys):
+    """`replay tune` scores each candidate as `replay_policy` does (the same tokens and costs), keeps the best
+    mean speedup, and an existing defaults file keeps its other policies' entries."""
+    import json
+
+    from trtllm_moespec.policy_defaults import PolicyDefaults
+
+    _, records, _ = recorded
+    path, out, report = tmp_path / "r.safetensors", tmp_path / "policy_defaults.json", tmp_path / "tune.json"
+    records.save(path)
+    grid = (1, 2, 4, 32)
+    assert cli_main(["replay", "tune", str(path), "--policy", "eagle3", "--grid", ",".join(map(str, grid)),
+                     "--out", str(out), "--json", str(report)]) == 0
+    table = CostTable.load(resolve_model("moespec-tiny").cost_profile, override=True)
+    cost = StepCost(table, use_fit=True)
+    scored = json.loads(report.read_text())["grid"]
+    for point, budget in zip(scored, grid):
+        tally, _ = replay_policy(records, "eagle3", make_policy("eagle3", budget=budget), None, cost, 32)
+        assert point["speedup"] == {"r:all": pytest.approx(tally.tokens / tally.cost_s * table.plain_step, abs=1e-4)}
+    best = max(scored, key=lambda p: p["mean_speedup"])["value"]
+    assert len({p["mean_speedup"] for p in scored}) > 1  # the candidates differ: the choice means something
+    assert cli_main(["replay", "tune", str(path), "--policy", "ecospec", "--grid", "2,3", "--out", str(out)]) == 0
+    tuned = PolicyDefaults.load(out)
+    assert tuned.model_id == "moespec-tiny" and set(tuned.policies) == {"eagle3", "ecospec"}
+    assert tuned.policies["eagle3"].options == {"budget": best}
+    assert tuned.policies["eagle3"].tree == tuple(records.meta["tree"])
+    capsys.readouterr()

@@ -17,7 +17,8 @@ TINY_DIR = ASSETS_DIR / "moespec-tiny"
 def shipped_model_paths(name: str) -> dict[str, Path]:
     """Paths of a shipped family: keys `target`, `draft`, `predictor` (EcoSpec's standalone predictor, or
     the draft head where the family ships none), `predictor_head` (ours: a head on the drafter's hidden state), `calibrator` (the
-    node-value calibrator prior) and `acceptance_head` (the learned acceptance head).
+    node-value calibrator prior), `acceptance_head` (the learned acceptance head) and `policy_defaults` (the
+    policy options tuned for the family, `policy_defaults.py`).
 
     Raises FileNotFoundError when the package was installed without the family's assets.
     """
@@ -26,7 +27,7 @@ def shipped_model_paths(name: str) -> dict[str, Path]:
     root = ASSETS_DIR / name
     paths = {"target": root / "target", "draft": root / "eagle3", "predictor": root / "predictor",
              "predictor_head": root / "predictor-head", "calibrator": root / "values" / "calibrator.json",
-             "acceptance_head": root / "acceptance-head"}
+             "acceptance_head": root / "acceptance-head", "policy_defaults": root / "policy_defaults.json"}
     if not paths["predictor"].is_dir():  # moespec-base ships only our draft-head predictor: ecospec uses it too
         paths["predictor"] = paths["predictor_head"]
     if not (paths["target"] / "config.json").is_file():

@@ -225,7 +225,19 @@ def _config(args, tree, specs, runners) -> dict:
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
             "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
                          "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values,
-                         "llm_options": dict(s.llm_options)} for s in specs]}
+                         "llm_options": dict(s.llm_options)} for s in specs],
+            "tuned_options": _tuned_options(specs, runners)}
+
+
+def _tuned_options(specs, runners) -> dict:
+    """label -> the options the model's policy_defaults.json gave a method (those its spec did not set)."""
+    out = {}
+    for s, r in zip(specs, runners):
+        tuned = {k: v for k, v in r.llm.config.policy_options.items()
+                 if k not in s.options and isinstance(v, (int, float, str, bool))}
+        if tuned:
+            out[s.label] = tuned
+    return out
 
 
 def _profile_info(runners) -> dict | None:

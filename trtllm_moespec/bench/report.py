@@ -127,6 +127,10 @@ def markdown(report: dict) -> str:
            f"{report['completed_prompt_groups']} prompt groups.", ""]
     if report.get("error"):
         out += [f"**Aborted:** {report['error']}", ""]
+    tuned = report.get("config", {}).get("tuned_options")
+    if tuned:
+        out += ["Options from the model's tuned policy defaults (`policy_defaults.json`): " + "; ".join(
+            f"{label} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for label, opts in tuned.items()) + ".", ""]
     if not rows:
         return "\n".join(out + ["No completed prompt groups.", ""])
     head = "| Method | " + " | ".join(DATASET_TITLES.get(d, d) for d in datasets) + " | Mean |"

@@ -7,6 +7,8 @@ then score selection policies and value models offline on exactly those steps.
         --cost-profile PROFILE [--cost fit|table] [--hindsight] [--json OUT --markdown OUT]
     moespec replay rank FILE --values raw,calibrated,head --k 1,2,4,8,16 [--json OUT --markdown OUT]
     moespec replay fit-calibrator FILE [FILE ...] --out value_calibrator.json
+    moespec replay tune FILE [FILE ...] --policy ecospec --option budget --grid 1,2,3,4,5,6,7,8,10,12 \
+        [--out policy_defaults.json] [--json OUT --markdown OUT]
 
 Records hold the full draft tree (tokens, parents, q), the live values, predicted and true
 expert sets, the drafter's node features and the target's acceptance of every node (one
@@ -73,6 +75,18 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     f.add_argument("--num-depths", type=int, default=4)
     f.add_argument("--num-ranks", type=int, default=3)
     f.add_argument("--no-copy", action="store_true", help="do not split groups by the context-copy feature")
+    t = sub.add_parser("tune", help="choose a policy option by the mean replayed speedup over data sets (replay/tune.py)")
+    t.add_argument("files", nargs="+", help="records of prompts the benchmarks do not use (--skip-prompts)")
+    t.add_argument("--policy", default="ecospec")
+    t.add_argument("--option", default="budget")
+    t.add_argument("--grid", type=_csv(int), default=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12))
+    t.add_argument("--values", default="calibrated", help="the value model the policy ranks on")
+    t.add_argument("--calibrator", default=None, help="calibrator prior JSON (default: the model's own)")
+    t.add_argument("--cost-profile", default=None, help="cost_profile.json (default: the model's own)")
+    t.add_argument("--out", default=None, help="policy_defaults.json to write (an existing one keeps its other "
+                   "policies); default: report only")
+    t.add_argument("--json", default=None)
+    t.add_argument("--markdown", default=None)
     return p
 
 
@@ -84,7 +98,7 @@ def main(argv: list[str] | None = None, prog: str = "moespec replay") -> int:
     torch.set_num_threads(getattr(args, "threads", 1))  # tiny tensors: more threads only stall on a shared CPU
     try:
         _check_outputs(args)
-        return {"record": _record, "score": _score, "rank": _rank, "fit-calibrator": _fit}[args.action](args, argv)
+        return {"record": _record, "score": _score, "rank": _rank, "fit-calibrator": _fit, "tune": _tune}[args.action](args, argv)
     except (ValueError, FileNotFoundError) as e:
         from ..cli import flag_message
 
@@ -137,6 +151,52 @@ def _record(args, argv) -> int:
     return 0
 
 
+def _tune(args, argv) -> int:
+    from ..assemble import build_policy
+    from ..core.cost import CostTable
+    from ..engine.config import TreeConfig
+    from ..policy_defaults import PolicyDefaults, TunedOptions
+    from ..resolve import resolve_model
+    from .records import ReplayFile
+    from .score import StepCost
+    from .tune import best_point, score_grid
+
+    files = {Path(f).stem: ReplayFile.load(f) for f in args.files}
+    first = next(iter(files.values())).meta
+    for name, rf in files.items():
+        if (rf.meta["model"], rf.meta["tree"]) != (first["model"], first["tree"]):
+            raise ValueError(f"records {name} are of {rf.meta['model']} tree {rf.meta['tree']}, the first of "
+                             f"{first['model']} tree {first['tree']}: tune on one model and tree at a time")
+    tree = TreeConfig(*first["tree"])
+    paths = resolve_model(first["model"], first.get("draft_model"))
+    table = CostTable.load(args.cost_profile or paths.cost_profile, override=True)
+    cost = StepCost(table, table.expert_model is not None)
+    valued = {name: (rf, _value_models((args.values,), rf, args.calibrator)[args.values]) for name, rf in files.items()}
+    points = score_grid(valued, lambda v: build_policy(args.policy, tree, table, {args.option: v}), tuple(args.grid),
+                        cost, tree.max_draft_tokens)
+    best = best_point(points)
+    command = "moespec replay " + " ".join(argv)
+    record = {"made_by": command, "criterion": "mean replayed speedup over data sets (replay/tune.py)",
+              "values": args.values, "records": [rf.meta.get("command") for rf in files.values()],
+              "grid": [p.as_dict() for p in points]}
+    if args.out is not None:
+        out = Path(args.out)
+        kept = PolicyDefaults.load(out) if out.is_file() else PolicyDefaults(paths.model_id, {})
+        if kept.model_id != paths.model_id:
+            raise ValueError(f"{out} holds options tuned for {kept.model_id!r}, these records are of {paths.model_id!r}")
+        tuned = TunedOptions({args.option: best.value}, tree.as_tuple(), table.device, record)
+        PolicyDefaults(paths.model_id, {**kept.policies, args.policy: tuned}).save(out)
+    report = {"command": command, "policy": args.policy, "option": args.option, "best": best.value,
+              "grid": record["grid"], "cost_profile": table.method}
+    groups = list(points[0].speedup)
+    lines = [f"| {args.option} | mean speedup | " + " | ".join(groups) + " | tokens/step | verified/step |",
+             "|---" * (len(groups) + 4) + "|"]
+    lines += [f"| {p.value}{' (best)' if p is best else ''} | {p.mean_speedup:.3f} | "
+              + " | ".join(f"{p.speedup[g]:.3f}" for g in groups)
+              + f" | {p.tokens_per_step:.2f} | {p.verified_per_step:.1f} |" for p in points]
+    return _emit(report, lines, args)
+
+
 def _load(args):
     from .records import ReplayFile
 
@@ -170,6 +230,7 @@ def _score(args, argv) -> int:
     from ..assemble import build_policy
     from ..core.cost import CostTable
     from ..engine.config import TreeConfig
+    from ..policy_defaults import with_tuned_options
 
     records = _load(args)
     tree = TreeConfig(*records.meta["tree"])
@@ -184,8 +245,11 @@ def _score(args, argv) -> int:
         if name not in POLICIES or name in ("ar", "oracle"):
             raise ValueError(f"replay scores drafting policies ({', '.join(sorted(set(POLICIES) - {'ar', 'oracle'}))}); "
                              f"got {name!r} (the oracle selection is always scored)")
-        # replay prices no predictor time, so joint is scored with its expert term (the selection rule itself)
-        policy = build_policy(name, tree, table, {"expert_term": True} if name == "joint" else {})
+        # replay prices no predictor time, so joint is scored with its expert term (the selection rule itself);
+        # a policy's options tuned for the model apply as they do live
+        options = with_tuned_options(name, {"expert_term": True} if name == "joint" else {}, paths.policy_defaults,
+                                     paths.model_id, tree.as_tuple(), table.device)
+        policy = build_policy(name, tree, table, options)
         for kind in (args.values if policy.uses_values else ("raw",)):
             label = f"{name}[values={kind}]" if policy.uses_values else name
             tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,

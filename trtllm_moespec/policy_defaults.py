@@ -1,0 +1,107 @@
+"""A model's tuned policy options (`policy_defaults.json`): settings chosen for one model, tree and device.
+
+A selection policy's fixed hyper-parameters are the paper's choices for the paper's models: EcoSpec's
+verification budget gamma = 4 was picked as the best mean end-to-end speedup over seven data sets on
+Qwen3-235B-A22B and GPT-OSS-120B. The same procedure on another model can pick another gamma
+(moespec-base's six drafting steps fill longer chains). `moespec replay tune` runs it offline on recorded
+steps and writes this file; the engine applies an entry wherever the user did not set that option and the
+tree and device it was tuned for are the ones in use (else the policy's own default, logged).
+
+    {"format": "moespec-policy-defaults/1", "model_id": "moespec-base",
+     "policies": {"ecospec": {"options": {"budget": 6}, "tree": [6, 8, 32], "device": "cpu",
+                              "made_by": "moespec replay tune ...", "grid": [...]}}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .core.policies import POLICIES
+
+log = logging.getLogger(__name__)
+FORMAT = "moespec-policy-defaults/1"
+FILE_NAME = "policy_defaults.json"
+
+
+@dataclass(frozen=True)
+class TunedOptions:
+    """One policy's tuned options and where they hold."""
+
+    options: dict[str, Any]  # keyword arguments of the policy (e.g. {"budget": 6})
+    tree: tuple[int, int, int]  # (steps, topk, max_draft_tokens) it was tuned on
+    device: str  # the cost profile's device it was tuned with ("cpu", "cuda:H200", ...)
+    record: dict[str, Any]  # how it was chosen: command, criterion, the scored grid (for readers)
+
+
+@dataclass(frozen=True)
+class PolicyDefaults:
+    model_id: str
+    policies: dict[str, TunedOptions]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PolicyDefaults":
+        """Parse and check a file; ValueError naming the file and the problem."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"policy defaults {path} cannot be read as JSON: {e}") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"policy defaults {path}: not a {FORMAT} file (its 'format' is "
+                             f"{raw.get('format') if isinstance(raw, dict) else None!r})")
+        entries = raw.get("policies")
+        if not isinstance(entries, dict) or not isinstance(raw.get("model_id"), str):
+            raise ValueError(f"policy defaults {path}: needs 'model_id' (a string) and 'policies' (an object)")
+        return cls(raw["model_id"], {name: _entry(path, name, e) for name, e in entries.items()})
+
+    def save(self, path: str | Path) -> None:
+        policies = {name: {"options": t.options, "tree": list(t.tree), "device": t.device, **t.record}
+                    for name, t in sorted(self.policies.items())}
+        Path(path).write_text(json.dumps({"format": FORMAT, "model_id": self.model_id, "policies": policies},
+                                         indent=1) + "\n")
+
+    def options_for(self, policy: str, tree: tuple[int, int, int], device: str) -> dict[str, Any]:
+        """The tuned options of `policy` for this tree and device ({} where none apply)."""
+        tuned = self.policies.get(policy)
+        if tuned is None:
+            return {}
+        if tuned.tree != tuple(tree) or tuned.device != device:
+            log.info("%s's tuned options %s were chosen for tree %s on %s; this run drafts %s on %s, so the "
+                     "policy's own defaults apply", policy, tuned.options, tuned.tree, tuned.device, tree, device)
+            return {}
+        return dict(tuned.options)
+
+
+def _entry(path: Path, name: str, e: Any) -> TunedOptions:
+    where = f"policy defaults {path}, policy {name!r}"
+    if name not in POLICIES:
+        raise ValueError(f"{where}: unknown policy; known: {', '.join(sorted(POLICIES))}")
+    if not isinstance(e, dict) or not isinstance(e.get("options"), dict):
+        raise ValueError(f"{where}: needs 'options' (an object)")
+    known = {f.name for f in dataclasses.fields(POLICIES[name])}
+    unknown = sorted(set(e["options"]) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown options {unknown}; the policy takes {sorted(known)}")
+    tree = e.get("tree")
+    if not (isinstance(tree, list) and len(tree) == 3 and all(isinstance(x, int) and x > 0 for x in tree)):
+        raise ValueError(f"{where}: 'tree' must be [steps, topk, max_draft_tokens], got {tree!r}")
+    if not isinstance(e.get("device"), str):
+        raise ValueError(f"{where}: 'device' must be a string")
+    record = {k: v for k, v in e.items() if k not in ("options", "tree", "device")}
+    return TunedOptions(dict(e["options"]), tuple(tree), e["device"], record)
+
+
+def with_tuned_options(policy: str, given: dict[str, Any], path: Path | None, model_id: str,
+                       tree: tuple[int, int, int], device: str) -> dict[str, Any]:
+    """`given` (the user's policy options) completed by the model's tuned ones where the user set none."""
+    if path is None or not path.is_file():
+        return dict(given)
+    defaults = PolicyDefaults.load(path)
+    if defaults.model_id != model_id:
+        raise ValueError(f"policy defaults {path} were tuned for model {defaults.model_id!r}, not {model_id!r}")
+    return {**defaults.options_for(policy, tree, device), **given}
