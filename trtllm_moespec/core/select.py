@@ -10,7 +10,8 @@
   yet in the expert buffer B; then B |= E_path(v). With marginal=False, B stays
   at its initial value (the paper's "global cost" ablation).
   EcoSpec: token_cost = eps, expert_cost = 1. Joint: token and expert cost from
-  the fitted cost model. Ties go to the lowest node index.
+  the fitted cost model. Ties go to the lowest node index. On the CPU without a placement, the greedy
+  and the path sets run as compiled loops (greedy_host.py; this numpy path is their reference).
   Under expert parallelism (a `placement`, see placement.py) new(v) and U_j count
   U_max, each MoE layer's busiest rank summed over layers, instead of the global union.
 - `joint_prefix`: stop a greedy order where (1 + S_j) / (c0 + c_tok*j + c_exp*U_j)
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .greedy_host import compiled_greedy
 from .placement import ExpertPlacement
 
 
@@ -73,6 +75,16 @@ def path_bits(node_bits: torch.Tensor, parents: torch.Tensor, depth: torch.Tenso
 
 
 def _path_bits_np(bits: np.ndarray, parents: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    kernels = compiled_greedy()
+    if kernels is not None:
+        out = np.empty_like(bits)
+        for b in range(bits.shape[0]):
+            kernels[1](bits[b], parents[b], depth[b], out[b])
+        return out
+    return _path_bits_reference(bits, parents, depth)
+
+
+def _path_bits_reference(bits: np.ndarray, parents: np.ndarray, depth: np.ndarray) -> np.ndarray:
     out = bits.copy()
     max_depth = int(depth.max()) if depth.size else 0
     for d in range(2, max_depth + 1):  # depth-1 nodes hang from the root: their path is themselves
@@ -116,11 +128,16 @@ def greedy_expert_select(
     v_np = valid.detach().cpu().numpy()
     bits = traj_bits.detach().cpu().contiguous().numpy().view(np.uint64)
     root = root_bits.detach().cpu().contiguous().numpy().view(np.uint64) if root_bits is not None else None
+    # compiled: one loop per request; its division needs positive denominators (no placement: U itself)
+    kernels = compiled_greedy() if placement is None and token_cost > 0 else None
     for b in range(B):
         buf = root[b].copy() if root is not None else np.zeros(bits.shape[2], dtype=np.uint64)
-        n, u = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal, order[b], cu[b],
-                           uniq[b], placement)
-        counts[b] = n
+        if kernels is not None:
+            counts[b] = kernels[0](s_np[b], p_np[b], v_np[b], np.ascontiguousarray(bits[b]), buf, M, float(token_cost),
+                                   float(expert_cost), bool(marginal), order[b], cu[b], uniq[b])
+        else:
+            counts[b], _ = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal,
+                                       order[b], cu[b], uniq[b], placement)
     return GreedyOrder(
         node_idx=torch.from_numpy(order).to(scores.device),
         num_selected=torch.from_numpy(counts).to(scores.device),

@@ -8,9 +8,11 @@ Both return per-node ExpertSets [1, N, W] and the root's set [1, W].
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..core.experts import ExpertSets, pack_expert_ids
+from ..core.experts import ExpertSets, num_words, pack_expert_ids
+from ..core.greedy_host import compiled_greedy
 from ..core.layout import build_layout
 from ..core.tree import DraftTree
 
@@ -76,6 +78,16 @@ class HeadExperts:
         # Only valid nodes are predicted (the head costs per row; `SpecEngine.candidates` may have left a
         # few dozen of ~200); the others get no experts, and no policy selects them.
         rows = tree.valid[0].nonzero()[:, 0]
+        kernels = compiled_greedy() if device.type == "cpu" and self.head.device.type == "cpu" else None
+        if kernels is not None:  # the top-K and the bitsets in one compiled loop (core/greedy_host.py)
+            logits = self.head.predict_logits(hidden[0, rows], tree.token_ids[0, rows], tree.depth[0, rows],
+                                              hidden[0, 0], context[-1])  # [R + 1, L, E], the root's last
+            words = np.empty((logits.shape[0], num_words(logits.shape[1], self.num_experts)), dtype=np.int64)
+            kernels[2](logits.numpy(), self.head.config.target_topk, words)
+            bits = np.zeros((tree.num_nodes, words.shape[1]), dtype=np.int64)
+            bits[rows.numpy()] = words[:-1]
+            experts = ExpertSets(torch.from_numpy(bits)[None], logits.shape[1], self.num_experts)
+            return experts, torch.from_numpy(words[-1:])
         topk, root_topk = self.head.predict(hidden[0, rows], tree.token_ids[0, rows], tree.depth[0, rows],
                                             hidden[0, 0], context[-1])
         node_topk = topk.new_full((tree.num_nodes, *topk.shape[1:]), -1)

@@ -218,6 +218,13 @@ class DraftHeadPredictor:
         """node_hidden [N, H], node_ids [N] token ids, node_depth [N] (values < 1 are treated as 1),
         root_hidden [H], root_id -> (node_topk [N, L, K], root_topk [L, K]) int64 sorted expert ids.
         Needs bind_embedding() first."""
+        topk = self._topk(self.predict_logits(node_hidden, node_ids, node_depth, root_hidden, root_id))
+        return topk[:-1], topk[-1]
+
+    @torch.no_grad()
+    def predict_logits(self, node_hidden: torch.Tensor, node_ids: torch.Tensor, node_depth: torch.Tensor,
+                       root_hidden: torch.Tensor, root_id: int) -> torch.Tensor:
+        """`predict`'s routing logits before the top-K: [N + 1, L, E] float32, the root's last."""
         if self._tables is None:
             raise ValueError("call bind_embedding(target embedding) before predict()")
         if node_hidden.dim() != 2 or node_hidden.shape[-1] != self.config.hidden_size:
@@ -229,5 +236,4 @@ class DraftHeadPredictor:
         hidden = torch.cat([node_hidden.to(dev, torch.float32), root_hidden.to(dev, torch.float32)[None]])
         ids = torch.cat([node_ids.to(dev, torch.int64), token_tensor(int(root_id), dev)])
         depth = torch.cat([node_depth.to(dev).clamp(min=1), torch.zeros(1, dtype=torch.int64, device=dev)])
-        topk = self._topk(self.model.forward_tables(hidden, ids, depth, self._tables, root_last=True))
-        return topk[:-1], topk[-1]
+        return self.model.forward_tables(hidden, ids, depth, self._tables, root_last=True)
