@@ -143,3 +143,14 @@ def test_tune_keeps_the_best_replayed_value_and_writes_it_beside_other_policies(
     assert tuned.policies["eagle3"].options == {"budget": best}
     assert tuned.policies["eagle3"].tree == tuple(records.meta["tree"])
     capsys.readouterr()
+
+
+def test_tune_groups_steps_by_the_data_set_of_their_prompt(recorded):
+    from dataclasses import replace
+
+    from trtllm_moespec.replay.tune import dataset_steps
+
+    _, records, _ = recorded
+    assert dataset_steps(records) == {"all": list(range(records.num_steps))}  # no prompt names recorded
+    named = replace(records, meta={**records.meta, "prompts": ["gsm8k:7"]})
+    assert dataset_steps(named) == {"gsm8k": list(range(records.num_steps))}

@@ -82,6 +82,9 @@ class HeadExperts:
         if kernels is not None:  # the top-K and the bitsets in one compiled loop (core/greedy_host.py)
             logits = self.head.predict_logits(hidden[0, rows], tree.token_ids[0, rows], tree.depth[0, rows],
                                               hidden[0, 0], context[-1])  # [R + 1, L, E], the root's last
+            if logits.shape[2] != self.num_experts:
+                raise ValueError(f"the draft-head predictor scores {logits.shape[2]} experts per layer, the target "
+                                 f"has {self.num_experts}")
             words = np.empty((logits.shape[0], num_words(logits.shape[1], self.num_experts)), dtype=np.int64)
             kernels[2](logits.numpy(), self.head.config.target_topk, words)
             bits = np.zeros((tree.num_nodes, words.shape[1]), dtype=np.int64)

@@ -161,7 +161,9 @@ def _tune(args, argv) -> int:
     from .score import StepCost
     from .tune import best_point, score_grid
 
-    files = {Path(f).stem: ReplayFile.load(f) for f in args.files}
+    stems = [Path(f).stem for f in args.files]  # each file's label in the report: its name, numbered if names repeat
+    labels = stems if len(set(stems)) == len(stems) else [f"{i}:{stem}" for i, stem in enumerate(stems)]
+    files = {label: ReplayFile.load(f) for label, f in zip(labels, args.files)}
     first = next(iter(files.values())).meta
     for name, rf in files.items():
         if (rf.meta["model"], rf.meta["tree"]) != (first["model"], first["tree"]):
