@@ -95,5 +95,7 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_unconfigure(config):
+    if _watchdog_log is not None:  # every test has ended: nothing is left for the watchdog to write
+        _watchdog_log.close()
     if _OWN_WATCHDOG_DIR:
         shutil.rmtree(_WATCHDOG_DIR, ignore_errors=True)
