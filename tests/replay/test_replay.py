@@ -142,6 +142,12 @@ def test_tune_keeps_the_best_replayed_value_and_writes_it_beside_other_policies(
     assert tuned.model_id == "moespec-tiny" and set(tuned.policies) == {"eagle3", "ecospec"}
     assert tuned.policies["eagle3"].options == {"budget": best}
     assert tuned.policies["eagle3"].tree == tuple(records.meta["tree"])
+    assert cli_main(["replay", "tune", str(path), "--policy", "coverage", "--option", "rho", "--grid", "0.5,0.9",
+                     "--out", str(out)]) == 0  # a float option
+    assert PolicyDefaults.load(out).policies["coverage"].options["rho"] in (0.5, 0.9)
+    with pytest.raises(SystemExit) as refused:  # argparse: one line, exit 2
+        cli_main(["replay", "tune", str(path), "--grid", "3,many"])
+    assert refused.value.code == 2
     capsys.readouterr()
 
 

@@ -79,7 +79,8 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     t.add_argument("files", nargs="+", help="records of prompts the benchmarks do not use (--skip-prompts)")
     t.add_argument("--policy", default="ecospec")
     t.add_argument("--option", default="budget")
-    t.add_argument("--grid", type=_csv(int), default=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12))
+    t.add_argument("--grid", type=_csv(number), default=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12),
+                   help="the option's candidate values (integers, or numbers such as coverage's rho 0.5,0.7,0.9)")
     t.add_argument("--values", default="calibrated", help="the value model the policy ranks on")
     t.add_argument("--calibrator", default=None, help="calibrator prior JSON (default: the model's own)")
     t.add_argument("--cost-profile", default=None, help="cost_profile.json (default: the model's own)")
@@ -88,6 +89,14 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     t.add_argument("--json", default=None)
     t.add_argument("--markdown", default=None)
     return p
+
+
+def number(text: str) -> int | float:
+    """A grid value: an integer where it reads as one (a budget), else a float (a threshold)."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def main(argv: list[str] | None = None, prog: str = "moespec replay") -> int:
