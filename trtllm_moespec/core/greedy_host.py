@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .host_jit import compiled_kernels
+from .select_host import top_indices  # a helper of topk_words
 
 _M1 = np.uint64(0x5555555555555555)
 _M2 = np.uint64(0x3333333333333333)
@@ -34,7 +35,7 @@ def compiled_greedy():
     """(greedy_order, path_words, topk_words) compiled, or None when numba is missing or
     MOESPEC_FUSED_VALUES=0."""
     return compiled_kernels("MOESPEC_FUSED_VALUES", globals(), ("greedy_order", "path_words", "topk_words"),
-                            helpers=("_popcount",))
+                            helpers=("_popcount", "top_indices"))
 
 
 def _popcount(x):
@@ -55,6 +56,7 @@ def greedy_order(scores, parents, valid, bits, buf, max_picks, token_cost, exper
     [max_picks + 1] (union sizes); returns the number of picks."""
     N, W = bits.shape
     union = buf.copy()
+    ref = union if marginal else buf  # what new experts are counted against (union grows in place)
     is_cand = np.zeros(N, dtype=np.bool_)
     for i in range(N):
         is_cand[i] = valid[i] and parents[i] < 0
@@ -70,8 +72,7 @@ def greedy_order(scores, parents, valid, bits, buf, max_picks, token_cost, exper
                 continue
             new = 0
             for w in range(W):
-                ref = union[w] if marginal else buf[w]
-                new += _popcount(bits[c, w] & ~ref)
+                new += _popcount(bits[c, w] & ~ref[w])
             u = scores[c] / (token_cost + expert_cost * new)  # > 0 denominators: the caller's condition
             if best < 0 or u > best_u or (u != u and best_u == best_u):  # numpy's argmax: a NaN is the maximum
                 best, best_u = c, u
@@ -115,24 +116,12 @@ def topk_words(logits, k, out):
     -> out [M, W] i64 zeroed here, bit l * E + e of word (l * E + e) // 64 set for each chosen e.
     Exact ties go to the lower expert id."""
     M, L, E = logits.shape
+    k = min(k, E)
     chosen = np.empty(k, dtype=np.int64)
     out[:] = 0
     for m in range(M):
         for l in range(L):
-            n = 0
-            for e in range(E):
-                x = logits[m, l, e]
-                if n < k:
-                    pos = n
-                    n += 1
-                elif x > logits[m, l, chosen[k - 1]]:
-                    pos = k - 1
-                else:
-                    continue
-                while pos > 0 and x > logits[m, l, chosen[pos - 1]]:
-                    chosen[pos] = chosen[pos - 1]
-                    pos -= 1
-                chosen[pos] = e
-            for j in range(n):
+            top_indices(logits[m, l], k, chosen)
+            for j in range(k):
                 b = l * E + chosen[j]
                 out[m, b // 64] |= np.int64(1) << np.int64(b % 64)

@@ -133,7 +133,7 @@ def greedy_expert_select(
     for b in range(B):
         buf = root[b].copy() if root is not None else np.zeros(bits.shape[2], dtype=np.uint64)
         if kernels is not None:
-            counts[b] = kernels[0](s_np[b], p_np[b], v_np[b], np.ascontiguousarray(bits[b]), buf, M, float(token_cost),
+            counts[b] = kernels[0](s_np[b], p_np[b], v_np[b], bits[b], buf, M, float(token_cost),
                                    float(expert_cost), bool(marginal), order[b], cu[b], uniq[b])
         else:
             counts[b], _ = _greedy_one(s_np[b], p_np[b], v_np[b], bits[b], buf, M, token_cost, expert_cost, marginal,

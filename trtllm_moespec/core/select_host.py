@@ -89,3 +89,22 @@ def evict_prefix(log_scores, scores, depth, valid, costs, order):
         if u > best:
             best, best_k = u, k
     return best_k
+
+
+def top_indices(p, k, out):
+    """out[:k] = indices of the k largest of p, largest first, ties to the lower index (insertion into a sorted
+    list: a row's top-k in one pass; the drafting step's children and the predictor's experts per layer)."""
+    n = 0  # entries of out filled so far
+    for d in range(p.shape[0]):
+        x = p[d]
+        if n < k:
+            pos = n
+            n += 1
+        elif x > p[out[k - 1]]:
+            pos = k - 1  # replaces the smallest kept
+        else:
+            continue
+        while pos > 0 and x > p[out[pos - 1]]:  # strictly greater: an equal earlier index stays first
+            out[pos] = out[pos - 1]
+            pos -= 1
+        out[pos] = d

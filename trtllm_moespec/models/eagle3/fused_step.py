@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.host_jit import compiled_kernels
+from ...core.select_host import top_indices as _top_indices  # a helper of grow_step
 
 
 def fused_grow_step():
@@ -89,24 +90,6 @@ def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefi
         mask[k, prefix_len:prefix_len + slots] = rows[v, :slots]
         mask[k, prefix_len + slots + k] = 0.0  # its own key
     return n_next
-
-
-def _top_indices(p, k, out):
-    """out[:k] = indices of the k largest of p, largest first, ties to the lower index."""
-    n = 0  # entries of out filled so far
-    for d in range(p.shape[0]):
-        x = p[d]
-        if n < k:
-            pos = n
-            n += 1
-        elif x > p[out[k - 1]]:
-            pos = k - 1  # replaces the smallest kept
-        else:
-            continue
-        while pos > 0 and x > p[out[pos - 1]]:  # strictly greater: an equal earlier index stays first
-            out[pos] = out[pos - 1]
-            pos -= 1
-        out[pos] = d
 
 
 def _next_frontier(child_log, offset, out):
