@@ -20,7 +20,7 @@ PROMPT = "def add(a, b):\n"
 PARAMS = SamplingParams(max_tokens=20)
 
 
-@pytest.fixture(scope="module", params=[("joint", "calibrated"), ("evict", "raw")])
+@pytest.fixture(scope="module", params=[("joint", "calibrated"), ("evict", "raw"), ("ecospec", "calibrated")])
 def recorded(request, tmp_path_factory):
     torch.set_num_threads(1)
     policy, values = request.param
@@ -40,6 +40,23 @@ def test_recording_does_not_change_the_live_run(recorded):
         step = records.step(s)
         _, chain = realized_accepts(step, list(range(step.tree.num_nodes)), None)
         assert step.live_num_accepted <= len(chain)
+
+
+def test_records_keep_every_drafted_node_while_expert_aware_policies_choose_among_their_candidates(recorded):
+    """ecospec predicts experts for its top candidates by value only (`SpecEngine.candidates`), but the
+    record keeps the whole drafted tree, with predicted experts for every node: a policy replayed on it
+    chooses among what it would see live, not among what the recording policy was cut to."""
+    llm, records, _ = recorded
+    m = llm.policy.candidate_count(32)
+    step = records.step(0)
+    drafted = int(step.tree.valid.sum())
+    assert drafted > 2 * 16  # tiny's [4, 8, 32] tree drafts ~200 nodes
+    if m is None:
+        return
+    assert m < drafted
+    predicted = int((step.experts.bits[0] != 0).any(-1).sum())
+    assert predicted == drafted  # the candidates' live predictions and the expert source's for the rest
+    assert len(step.live_selected) <= m
 
 
 def test_replay_of_the_live_policy_agrees_with_live_decoding(recorded):

@@ -419,13 +419,21 @@ def keep_top_nodes(tree: DraftTree, m: int) -> DraftTree:
 
     A path's score never rises from parent to child, so the kept set is parent-closed (EAGLE-3's
     pruning keeps the same prefix of the score order). A tree of at most m nodes is returned as is."""
+    return keep_top_valued(tree, tree, m)[0]
+
+
+def keep_top_valued(tree: DraftTree, valued: DraftTree, m: int) -> tuple[DraftTree, DraftTree]:
+    """(tree, valued) with only the top-`m` nodes of `valued` (the same tree with its scores replaced
+    by node values, `core.values.with_values`) valid in both. Values, like scores, never rise from
+    parent to child, so the kept set is parent-closed. Trees of at most m nodes are returned as they are."""
     if tree.num_nodes <= m:
-        return tree
+        return tree, valued
     N = tree.num_nodes
-    top = top_k_nodes(tree, m)  # [B, m] (-1 where fewer valid nodes exist: sent to a spare column)
+    top = top_k_nodes(valued, m)  # [B, m] (-1 where fewer valid nodes exist: sent to a spare column)
     keep = torch.zeros(tree.batch_size, N + 1, dtype=torch.bool, device=top.device)
     keep.scatter_(1, torch.where(top >= 0, top, N), True)
-    return _only(tree, keep[:, :N] & tree.valid)
+    keep = keep[:, :N] & tree.valid
+    return _only(tree, keep), _only(valued, keep)
 
 
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:

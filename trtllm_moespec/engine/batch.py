@@ -226,10 +226,13 @@ class BatchedEngine:
         drafts = self._draft(running) if speculate else [None] * len(running)
         t_draft = time.perf_counter() - t0
         t0 = time.perf_counter()
+        drafts, valued = self._candidates(running, drafts) if speculate else (drafts, drafts)
+        t_values = time.perf_counter() - t0
+        t0 = time.perf_counter()
         predictions = [self._predict(a, d) for a, d in zip(running, drafts)] if speculate else [(None, None)] * len(running)
         t_pred = time.perf_counter() - t0
         t0 = time.perf_counter()
-        node_idx = self._select(running, drafts, predictions)
+        node_idx = self._select(running, valued, predictions)
         roots = [token_tensor(a.request.output_ids[-1], self.target.device) for a in running]
         # on the device all requests' deepest selected depths come back in one transfer, and the layouts
         # then read nothing (on the CPU the layout's host path reads its lists anyway)
@@ -239,7 +242,7 @@ class BatchedEngine:
             depths = _max_depths(drafts, node_idx)
         layouts = [build_layout(d.tree, n, r, depth) if d is not None else root_layout(r)
                    for d, n, r, depth in zip(drafts, node_idx, roots, depths)]
-        t_select = time.perf_counter() - t0
+        t_select = time.perf_counter() - t0 + t_values  # the values rank the candidates and the selection
         t0 = time.perf_counter()
         outs = verify_batch(self.target, [a.cache for a in running], layouts)
         t_target = time.perf_counter() - t0
@@ -286,19 +289,28 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(self.engine.candidates(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1)), d.node_hidden)
+        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
                 for d, r in zip(drafts, requests)]
+
+    def _candidates(self, running: list[_Active], drafts: list[Draft]) -> tuple[list[Draft], list[DraftTree]]:
+        """Per request the draft cut to the nodes its policy chooses among (`SpecEngine.candidates`), and
+        the same tree ranked on node values where the policy uses them (the layout is built on the
+        drafted tree either way)."""
+        cut, valued = [], []
+        for active, draft in zip(running, drafts):
+            tree, ranked = self.engine.candidates(draft.tree, self._valued(active, draft))
+            cut.append(Draft(tree, draft.node_hidden))
+            valued.append(ranked)
+        return cut, valued
 
     def _predict(self, active: _Active, draft: Draft):
         request = active.request
         return self.engine._predict(request.prompt_ids + request.output_ids, draft.tree, draft, active.cache)
 
-    def _select(self, running: list[_Active], drafts: list[Draft | None], predictions) -> list[torch.Tensor]:
-        """Per request the selected node list [1, K_b] (-1 pad), ranked on node values where the
-        policy uses them; the layout is built on the drafted tree either way."""
-        if drafts[0] is None:  # plain decoding step: every request verifies its root only
+    def _select(self, running: list[_Active], valued: list[DraftTree | None], predictions) -> list[torch.Tensor]:
+        """Per request the selected node list [1, K_b] (-1 pad) from its valued candidates."""
+        if valued[0] is None:  # plain decoding step: every request verifies its root only
             return [torch.zeros(1, 0, dtype=torch.int64, device=self.target.device) for _ in running]
-        valued = [self._valued(a, d) for a, d in zip(running, drafts)]
         if self._selects_as == "joint-batch":
             return self._joint_batch(valued, predictions)
         if self._selects_as == "evict-batch":

@@ -25,7 +25,7 @@ from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.seeded import PositionKeys
-from ..core.tree import DraftTree, deepest_selected, keep_top_nodes, limit_depth
+from ..core.tree import DraftTree, deepest_selected, keep_top_valued, limit_depth
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..detokenize import StopCut
@@ -37,9 +37,6 @@ from .prefix_cache import DrafterPrefix, PrefixCache, SequenceFeatures
 from .structured import GrammarState
 from .predictors import peek_full_tree
 from .stats import GenerationStats, StepStats
-
-# Expert-aware policies choose among this many drafted nodes per node the verify may hold (`SpecEngine.candidates`).
-CANDIDATES_PER_VERIFIED = 2
 
 
 @dataclass
@@ -199,9 +196,14 @@ class SpecEngine:
         first_guess = drafter.first_guess() if guard is not None and guard.scouts else None  # for its scouts
         t_switch = time.perf_counter() - t0 + t_scout
         draft = drafter.draft(context, device)
-        # deeper nodes could never be emitted
-        tree = self.candidates(limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1))
+        tree = limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1)  # deeper: never emitted
         t_draft = time.perf_counter() - t0 + t_scout
+
+        t0 = time.perf_counter()
+        # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
+        tree, valued = self.candidates(tree, valued)
+        t_values = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         experts, root_bits = self._predict(context, tree, draft, cache)
@@ -209,8 +211,6 @@ class SpecEngine:
 
         t0 = time.perf_counter()
         target_scores = self._oracle_scores(cache, tree, root, request) if self.policy.needs_target else None
-        # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
-        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
         selection = self._select(valued, experts, root_bits, target_scores)
         node_idx, max_depth = selection.node_idx, None
         if node_idx.device.type != "cpu":
@@ -218,7 +218,7 @@ class SpecEngine:
         else:
             node_idx = selected_columns(node_idx)
         layout = build_layout(tree, node_idx, token_tensor(root, tree.token_ids.device), max_depth)
-        t_select = time.perf_counter() - t0
+        t_select = time.perf_counter() - t0 + t_values
 
         t0 = time.perf_counter()
         out = self.target.verify(cache, layout)
@@ -307,14 +307,13 @@ class SpecEngine:
             return node_idx[:, :K], depth  # -1 pads come last: the selection is ordered
         return torch.nn.functional.pad(node_idx, (0, K - node_idx.shape[1]), value=-1), depth
 
-    def candidates(self, tree: DraftTree) -> DraftTree:
-        """The drafted nodes an expert-aware policy chooses among: the top `CANDIDATES_PER_VERIFIED` x
-        the verify cap by score (a parent-closed prefix, as EAGLE-3 prunes). Expert prediction costs
-        per node; a tree of ~200 nodes made it a tenth of a moespec-base step while selections
-        take 2-8 nodes from the top few dozen."""
-        if self.predictor is None or not self.policy.reads_experts:
-            return tree
-        return keep_top_nodes(tree, CANDIDATES_PER_VERIFIED * self.tree.max_draft_tokens)
+    def candidates(self, tree: DraftTree, valued: DraftTree) -> tuple[DraftTree, DraftTree]:
+        """The drafted nodes the policy chooses among, as (tree, valued: the same with node values as
+        scores): for a policy that reads expert sets, the top `policy.candidate_count` by value (a
+        parent-closed prefix, as EAGLE-3 prunes by score). Expert prediction costs per node: over a
+        moespec-base tree of 328 nodes it would cost a tenth of a step, while selections take 2-8 nodes."""
+        m = self.policy.candidate_count(self.tree.max_draft_tokens) if self.predictor is not None else None
+        return (tree, valued) if m is None else keep_top_valued(tree, valued, m)
 
     def _predict(self, context: list[int], tree: DraftTree, draft: Draft, cache) -> tuple[ExpertSets | None, torch.Tensor | None]:
         if self.predictor is None or not self.policy.reads_experts:

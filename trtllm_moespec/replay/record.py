@@ -38,6 +38,7 @@ class RecordingEngine(SpecEngine):
         self._request: Request | None = None
         self._request_idx = -1
         self._pending: _Pending | None = None
+        self._drafted = None  # this step's drafted tree before the policy's candidate cut
 
     def run(self, request: Request):
         self._request = request
@@ -45,26 +46,30 @@ class RecordingEngine(SpecEngine):
         yield from super().run(request)
         self.builder.finish_request(request.prompt_ids + request.output_ids)
 
+    def candidates(self, tree, valued):
+        self._drafted = tree  # the record keeps every drafted node: replay cuts to each policy's candidates itself
+        return super().candidates(tree, valued)
+
     def _predict(self, context, tree, draft, cache):
         experts, root_bits = super()._predict(context, tree, draft, cache)
-        if tree.num_nodes == 0:
+        drafted = self._drafted
+        if drafted.num_nodes == 0:
             self._pending = None
             return experts, root_bits
-        full, out = peek_full_tree(self.target, cache, tree, context[-1])
+        full, out = peek_full_tree(self.target, cache, drafted, context[-1])
         probs = target_probs(out.logits[0], self._request.sampling)  # [1+N, V]
-        valid = tree.valid[0]
+        valid = drafted.valid[0]
         local = torch.where(valid, probs[full.parent_pos[0].clamp(min=0), full.token_ids[0]][1:], 0.0)
         E = self.target.num_experts
         true_bits = pack_expert_ids(out.expert_ids[0, 1:], E)  # [N, W] (layout position i+1 is node i)
         true_bits = torch.where(valid[:, None], true_bits, torch.zeros_like(true_bits))
-        pred, pred_root = (experts, root_bits) if experts is not None else \
-            self.expert_source.predict(context, tree, draft, cache) if self.expert_source is not None else (None, None)
+        pred, pred_root = self._predicted(context, tree, drafted, draft, cache, experts, root_bits)
         W = true_bits.shape[-1]
-        nodes = {"token_ids": tree.token_ids[0].numpy(), "parents": tree.parents[0].numpy(),
-                 "valid": tree.valid[0].numpy().astype(np.uint8),
-                 "draft_probs": tree.draft_probs[0].numpy(), "target_local": local.float().numpy(),
+        nodes = {"token_ids": drafted.token_ids[0].numpy(), "parents": drafted.parents[0].numpy(),
+                 "valid": valid.numpy().astype(np.uint8),
+                 "draft_probs": drafted.draft_probs[0].numpy(), "target_local": local.float().numpy(),
                  "true_experts": true_bits.numpy(),
-                 "pred_experts": pred.bits[0].numpy() if pred is not None else np.zeros((tree.num_nodes, W), np.int64)}
+                 "pred_experts": pred.bits[0].numpy() if pred is not None else np.zeros((drafted.num_nodes, W), np.int64)}
         hidden = getattr(draft, "node_hidden", None)
         if self.keep_hidden and hidden is not None:
             nodes["node_hidden"] = hidden[0].to(torch.float16).numpy()
@@ -72,6 +77,22 @@ class RecordingEngine(SpecEngine):
             nodes, pred_root[0].numpy() if pred_root is not None else np.zeros(W, np.int64),
             pack_expert_ids(out.expert_ids[0, 0], E).numpy(), len(context))
         return experts, root_bits
+
+    def _predicted(self, context, candidates, drafted, draft, cache, experts, root_bits):
+        """Predicted expert sets of every drafted node: the live policy's own predictions for its candidates
+        (exactly what it selected on), the expert source's for the rest (what another policy replayed on
+        these steps may choose among)."""
+        if experts is not None and candidates is drafted:
+            return experts, root_bits
+        if self.expert_source is None:
+            return experts, root_bits
+        pred, pred_root = self.expert_source.predict(context, drafted, draft, cache)
+        if experts is None:
+            return pred, pred_root
+        chosen = candidates.valid[0]
+        bits = pred.bits.clone()
+        bits[0, chosen] = experts.bits[0, chosen]
+        return ExpertSets(bits, pred.num_layers, pred.num_experts), root_bits
 
     def _select(self, tree, experts, root_bits, target_scores):
         selection = super()._select(tree, experts, root_bits, target_scores)

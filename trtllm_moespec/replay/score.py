@@ -29,7 +29,7 @@ from ..core.cost import CostTable
 from ..core.experts import popcount
 from ..core.policies import SelectionPolicy
 from ..core.sampling import SamplingConfig
-from ..core.tree import score_order
+from ..core.tree import keep_top_valued, score_order
 from ..core.values import path_values, with_values
 from .records import ReplayFile, StepRecord
 
@@ -153,6 +153,9 @@ def replay_policy(records: ReplayFile, label: str, policy: SelectionPolicy | Non
         else:
             tree = step.tree
             valued = with_values(tree, state.values(tree, _Draft(step.node_hidden), step.context)) if state else tree
+            m = policy.candidate_count(max_nodes)
+            if m is not None:  # the nodes the policy chooses among live (`SpecEngine.candidates`)
+                tree, valued = keep_top_valued(tree, valued, m)
             if hindsight:
                 selected = best_prefix(step, score_order(valued)[0].tolist(), cost, max_nodes)
             else:
@@ -162,7 +165,7 @@ def replay_policy(records: ReplayFile, label: str, policy: SelectionPolicy | Non
         accepted, walk = realized_accepts(step, selected, rng)
         if state is not None:
             node_idx = torch.tensor([selected], dtype=torch.int64).reshape(1, -1)
-            state.observe(step.tree, node_idx, torch.tensor([walk or [-1]], dtype=torch.int64))
+            state.observe(tree, node_idx, torch.tensor([walk or [-1]], dtype=torch.int64))
         tally.add(1.0 + accepted, cost(step, selected), len(selected))
         selections.append(selected)
     return tally, selections
