@@ -140,3 +140,22 @@ def test_one_stalled_step_does_not_flip_the_batch_decision():
     guard.record(4, False, 4, 0.017)  # 235 tok/s plain
     guard.record(4, False, 4, 0.800)  # a stall (5 tok/s): counted as 3 plain steps' time at most (78 tok/s)
     assert guard.speculate(4) is False  # 0.8 * 235 + 0.2 * 78 = 204 tok/s (unclipped: 189): plain still wins
+
+
+def test_a_slow_first_speculative_step_does_not_send_the_batch_to_plain_decoding():
+    """The first steps carry one-time costs (numba caches, first allocations): the first `min_spec_steps`
+    times of each mode set its estimate as their median, so one slow first step is not the mean."""
+    guard = GoodputGuard(alpha=0.3, min_spec_steps=4)
+    for seconds in (0.36, 0.033, 0.034, 0.031):  # warm-up, then 100 tokens/s at 3.3 tokens a step
+        assert guard.speculate(1)
+        guard.record(1, True, tokens=3, seconds=seconds)
+        if guard.num_spec_steps == 1:
+            assert not guard.speculate(1)  # plain decoding measured once
+            guard.record(1, False, tokens=1, seconds=0.013)  # 77 tokens/s
+    assert guard._seconds[(1, True)].value == pytest.approx((0.033 + 0.034) / 2)
+    assert all(guard.speculate(1) for _ in range(3))  # speculation wins: no plain step, no probe
+    naive = GoodputGuard(alpha=0.3, min_spec_steps=1)  # the first observation sets the mean: plain decoding
+    for seconds in (0.36, 0.033, 0.034, 0.031):
+        naive.record(1, True, 3, seconds)
+    naive.record(1, False, 1, 0.013)
+    assert not naive.speculate(1)

@@ -211,6 +211,30 @@ def test_one_stalled_plain_step_does_not_make_speculation_look_paying():
     assert s.plain_s.value > 0.030 and s.pays()
 
 
+def test_the_first_steps_set_the_time_estimates_as_their_median():
+    """One-time costs of an engine's first steps (numba caches, first allocations: 359 ms against ~33 ms on
+    moespec-base) must not price speculation for hundreds of steps: the first `min_spec_steps` step times
+    of each kind set the estimate as their median, the EWMA goes on from there."""
+    guard = Guard(GuardConfig(min_spec_steps=4))
+    s = guard.start()
+    _feed(s, True, 3, 0.36)  # warm-up
+    _feed(s, False, 1, 0.013)  # 77 tok/s plain
+    s2 = guard.start()  # a request that starts while the engine's estimates are still warming up
+    for state in (s, s2):
+        for seconds in (0.033, 0.034, 0.031):  # 3 tokens in ~33 ms: 91 tok/s
+            _feed(state, True, 3, seconds)
+    assert s.spec_s.value == pytest.approx(0.0335) and s.pays() and s.speculate()
+    assert s2.spec_s.value == pytest.approx(0.0335) and s2.pays()  # it started from the warm-up observations
+    _feed(s, True, 3, 0.040)  # past the warm-up: the EWMA
+    assert s.spec_s.value == pytest.approx(0.75 * 0.0335 + 0.25 * 0.040)
+    naive = Guard(GuardConfig(min_spec_steps=1)).start()  # the first observation sets the mean: plain decoding
+    _feed(naive, True, 3, 0.36)
+    _feed(naive, False, 1, 0.013)
+    for seconds in (0.033, 0.034, 0.031):
+        _feed(naive, True, 3, seconds)
+    assert not naive.pays()
+
+
 def test_measured_guard_measures_plain_steps_itself_and_refreshes_them():
     # The profile claims a 500 ms plain step; the measured guard does not trust it and measures one.
     s = Guard(GuardConfig(refresh_every=3), cost_table=(0.03,) * 9, plain_step_s=0.5).start()

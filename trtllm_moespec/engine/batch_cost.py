@@ -31,7 +31,7 @@ import statistics
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .guard import TIME_CLIP
+from .guard import TIME_CLIP, Ewma
 
 
 class BatchCosts:
@@ -112,8 +112,10 @@ class GoodputGuard:
         # first one sent batches that speculation serves at 1.3x to plain decoding for the next ~90 steps.
         self.min_spec_steps = min_spec_steps
         self.num_spec_steps = 0
-        self._goodput: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> tokens/s EMA
-        self._seconds: dict[tuple[int, bool], float] = {}  # (batch size, speculated) -> step seconds EMA
+        # (batch size, speculated) -> tokens/s and step seconds EMAs, each the median of its first
+        # `min_spec_steps` observations before (one-time costs of the first steps: `GuardConfig.min_spec_steps`)
+        self._goodput: dict[tuple[int, bool], Ewma] = {}
+        self._seconds: dict[tuple[int, bool], Ewma] = {}
         self._until_probe = probe_every  # steps left before the losing mode is tried again
         self._interval = probe_every  # current probe interval (doubles while the loser keeps losing)
         self.num_probes = 0
@@ -139,12 +141,13 @@ class GoodputGuard:
         before = self._decision(batch_size)
         probed = before is not None and speculated != before and not self._learning
         self.num_spec_steps += speculated
-        winner = self._goodput[(self._nearest_measured(batch_size), before)] if probed else 0.0
+        winner = self._goodput[(self._nearest_measured(batch_size), before)].value if probed else 0.0
         key = (batch_size, speculated)
-        if key in self._seconds:  # one stalled step counts as at most TIME_CLIP times this mode's mean
-            seconds = min(seconds, TIME_CLIP * self._seconds[key])
-        self._goodput[key] = self._ema(self._goodput.get(key), tokens / max(seconds, 1e-9))
-        self._seconds[key] = self._ema(self._seconds.get(key), seconds)
+        mean_s = self._seconds.setdefault(key, Ewma(warmup=self.min_spec_steps))
+        if mean_s.count >= mean_s.warmup:  # one stalled step counts as at most TIME_CLIP times this mode's mean
+            seconds = min(seconds, TIME_CLIP * mean_s.value)
+        self._goodput.setdefault(key, Ewma(warmup=self.min_spec_steps)).update(tokens / max(seconds, 1e-9), self.alpha)
+        mean_s.update(seconds, self.alpha)
         self._decisions.clear()
         after = self._decision(batch_size)
         if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
@@ -160,9 +163,6 @@ class GoodputGuard:
         else:
             self._until_probe -= 1
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
     def _affordable_interval(self, batch_size: int) -> int:
         """Steps between probes so that a probe's extra time stays within `probe_overhead` of the
         winner's time over the interval (a probe 10x dearer than a step waits ~180 steps at 5%, ~450 at 2%)."""
@@ -170,7 +170,7 @@ class GoodputGuard:
         if measured is None:
             return self.probe_every
         winner = self._winner(measured)
-        t_win, t_lose = self._seconds[(measured, winner)], self._seconds[(measured, not winner)]
+        t_win, t_lose = self._seconds[(measured, winner)].value, self._seconds[(measured, not winner)].value
         if t_lose <= t_win:
             return self.probe_every
         return min(math.ceil((t_lose / t_win - 1) / self.probe_overhead), self.max_probe_every)
@@ -189,5 +189,6 @@ class GoodputGuard:
         return sizes[0][1] if sizes else None
 
     def _winner(self, batch_size: int) -> bool | None:
-        spec, plain = self._goodput.get((batch_size, True)), self._goodput.get((batch_size, False))
+        spec, plain = (self._goodput[(batch_size, m)].value if (batch_size, m) in self._goodput else None
+                       for m in (True, False))
         return None if spec is None or plain is None else spec >= plain

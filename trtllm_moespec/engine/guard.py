@@ -68,6 +68,7 @@ current step's random numbers; a plain step is verified by the same rule as `ar`
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -114,8 +115,13 @@ class GuardConfig:
     # requests keep the fixed bound: there a probe that wins has mostly drawn lucky.
     winning_probe_overhead: float = 0.1
     # Speculative steps an engine measures (per kind of sampling) before the guard may find that speculation
-    # loses: one step commits 1..D+1 tokens, and the first ones carry warm-up time, so a verdict on one step
-    # could send a request that speculation serves well to plain decoding for hundreds of steps.
+    # loses: one step commits 1..D+1 tokens, so a verdict on one step could send a request that speculation
+    # serves well to plain decoding for hundreds of steps. The times of an engine's first this many steps of
+    # each kind (speculative, plain) set its estimate as their median, not their mean: the first steps carry
+    # one-time costs (numba caches loading, first allocations). On moespec-base the first speculative step took
+    # 359 ms against ~33 ms after it, and the EWMA it started read 168 ms four steps later: the guard found
+    # speculation losing and decoded the first prompts plainly until a probe, which that price put ~200 plain
+    # steps away.
     min_spec_steps: int = 4
     # Greedy requests start from the engine's mean tokens per speculative step over about its latest `prior_window`
     # speculative steps, not from the estimate the last request ended with (module docstring; 0: that old rule).
@@ -150,13 +156,20 @@ class GuardConfig:
 
 @dataclass
 class Ewma:
-    """Exponentially weighted mean; the first observation sets it."""
+    """Exponentially weighted mean. The first `warmup` observations set it as their median, the
+    EWMA goes on from there (0: the first observation sets it)."""
 
     value: float = math.nan
     count: int = 0
+    warmup: int = 0
+    first: list[float] = field(default_factory=list, repr=False)  # the warm-up observations
 
     def update(self, x: float, weight: float, clip: float | None = None) -> None:
-        """Add observation x; with `clip`, x counts as at most clip times the current mean."""
+        """Add observation x; with `clip`, x counts as at most clip times the current mean (after the warm-up)."""
+        if self.count < self.warmup:
+            self.first.append(x)
+            self.value, self.count = statistics.median(self.first), self.count + 1
+            return
         if self.count and clip is not None:
             x = min(x, clip * self.value)
         self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
@@ -166,6 +179,13 @@ class Ewma:
         """The weight of the next observation that makes this the plain mean of the first `window`
         observations, then an EWMA over about that many."""
         return max(1.0 / (self.count + 1), 1.0 / window)
+
+    def as_prior(self) -> "Ewma":
+        """A request's start from this engine-wide estimate: weighted as one observation, or, while the
+        estimate is still in its warm-up, those observations (their median is not trusted yet)."""
+        if self.count < self.warmup:
+            return Ewma(self.value, self.count, self.warmup, list(self.first))
+        return Ewma(self.value, min(self.count, 1))
 
     @property
     def known(self) -> bool:
@@ -202,7 +222,10 @@ class Guard:
         self.memories: dict[bool, GuardMemory] = {}  # keyed by greedy (T = 0) or not
 
     def start(self, greedy: bool = True) -> "GuardState":
-        return GuardState(self, self.memories.setdefault(bool(greedy), GuardMemory()), greedy)
+        if bool(greedy) not in self.memories:  # step times: the first min_spec_steps of each kind set them
+            warm = self.config.min_spec_steps
+            self.memories[bool(greedy)] = GuardMemory(spec_s=Ewma(warmup=warm), plain_s=Ewma(warmup=warm))
+        return GuardState(self, self.memories[bool(greedy)], greedy)
 
 
 class GuardState:
@@ -213,9 +236,7 @@ class GuardState:
         self.greedy = greedy
         self.scouts = self.config.scout and not greedy  # probes start with a scout (see GuardConfig.scout)
         # Start from the engine's memory, weighted as one observation: this request's own steps dominate soon.
-        self.spec_tokens = Ewma(m.spec_tokens.value, min(m.spec_tokens.count, 1))
-        self.spec_s = Ewma(m.spec_s.value, min(m.spec_s.count, 1))
-        self.plain_s = Ewma(m.plain_s.value, min(m.plain_s.count, 1))
+        self.spec_tokens, self.spec_s, self.plain_s = m.spec_tokens.as_prior(), m.spec_s.as_prior(), m.plain_s.as_prior()
         if not self.config.measured:  # the profiled rule: the profile's plain step, never wall time
             self.plain_s = Ewma(guard.plain_step_s, 1)
         self.probe_every = m.probe_every or self.config.probe_every
