@@ -173,6 +173,33 @@ def test_keep_top_nodes_keeps_the_parent_closed_top_of_the_score_order(seed):
         assert kept is tree
 
 
+@settings(max_examples=60, deadline=None)
+@given(seeds)
+def test_keep_top_valued_cuts_both_trees_to_the_top_of_the_value_order(seed):
+    """keep_top_valued (the expert-aware policies' candidates, `SpecEngine.candidates`): the top-m nodes by
+    *value* stay valid in the drafted tree and in its valued copy alike, parent-closed, each keeping its own
+    scores; where values and raw scores rank differently, the cut follows the values."""
+    from trtllm_moespec.core.tree import keep_top_valued
+    from trtllm_moespec.core.values import path_values, with_values
+
+    rng = np.random.default_rng(seed)
+    B, m = int(rng.integers(1, 4)), int(rng.integers(1, 12))
+    tree = random_tree(rng, B, int(rng.integers(0, 24)))
+    valued = with_values(tree, path_values(tree, torch.from_numpy(rng.uniform(0.05, 1.0, tree.token_ids.shape))))
+    cut, cut_valued = keep_top_valued(tree, valued, m)
+    top = top_k_nodes(valued, m)
+    for b in range(B):
+        want = {int(n) for n in top[b] if n >= 0}
+        for t, source in ((cut, tree), (cut_valued, valued)):
+            assert {int(n) for n in t.valid[b].nonzero()[:, 0]} == want
+            for n in want:
+                p = int(t.parents[b, n])
+                assert p == -1 or p in want
+                assert float(t.log_scores[b, n]) == float(source.log_scores[b, n])
+    if tree.num_nodes <= m:
+        assert cut is tree and cut_valued is valued
+
+
 @settings(max_examples=30, deadline=None)
 @given(seeds)
 def test_limit_depth_drops_exactly_the_deeper_nodes(seed):

@@ -177,8 +177,8 @@ def test_a_new_request_starts_from_the_engines_recent_mean_not_from_how_the_last
 def test_hold_keeps_a_speculating_request_speculating_through_a_short_loss():
     """Hysteresis: speculating goes on until it loses by more than `hold`; once declined, it resumes only
     where it wins (margin), so the two thresholds differ and an estimate between them changes nothing."""
-    def run(hold):
-        s = Guard(GuardConfig(min_spec_steps=1, hold=hold, probe_every=4, probe_overhead=1.0)).start()
+    def run(hold, greedy=True):
+        s = Guard(GuardConfig(min_spec_steps=1, hold=hold, probe_every=4, probe_overhead=1.0)).start(greedy)
         assert s.speculate()
         _feed(s, True, 3, 0.030)  # 100 tok/s against plain's 1 / 0.012 = 83: pays
         assert not s.speculate()  # one plain step, to know its cost
@@ -188,9 +188,11 @@ def test_hold_keeps_a_speculating_request_speculating_through_a_short_loss():
         assert s.speculate()
         _feed(s, True, 1, 0.030)  # another: 2.31 / 30 ms = 77 tok/s, 7.5% below plain
         return s
-    held, strict = run(0.1), run(0.0)
+    held, strict, sampled = run(0.1), run(0.0), run(0.1, greedy=False)
     assert held.speculate() and not held.declined  # within the 10% hold: speculation goes on
     assert not strict.speculate() and strict.declined  # no hold: plain decoding until a probe
+    # At T > 0 a step's tokens are mostly the luck of the draw: sampled requests keep the strict rule.
+    assert not sampled.speculate() and sampled.declined
     # Declined, the hold no longer applies: the same 77 tok/s estimate keeps the request plain.
     for _ in range(3):
         _feed(strict, False, 1, 0.012)

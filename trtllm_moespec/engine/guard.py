@@ -54,8 +54,10 @@ the drafter's prompt prefill) saves about what it costs. Greedy requests never s
 guess misses still commits ~3.4 tokens (the argmax is another depth-1 draft), and scouting cut T=0's
 speculative steps from 68% to 27%.
 
-`hold` (0.15) adds hysteresis: a request that is speculating goes on until speculation loses by more
-than that fraction, one decoding plainly resumes only where speculation wins. Measured with
+`hold` (0.15) adds hysteresis to greedy requests: one that is speculating goes on until speculation loses by
+more than that fraction, one decoding plainly resumes only where speculation wins (sampled requests keep the
+strict rule: there a probe's win is mostly a lucky draw, and the hold kept the speculation it re-enabled going
+while it lost). Measured with
 `python -m benchmarks.guard_trace --policy joint --variants "default,guard:hold=0.15,off"` (moespec-base,
 4 prompts per data set, 96 tokens, one run per cell: benchmarks/results/base/guard_hold_t*.txt): T=0 80
 tokens/s without it, 81 with it (speculating every step: 79), with 71% and 88% of the steps speculative;
@@ -106,7 +108,11 @@ class GuardConfig:
     # Hysteresis: a request that is speculating goes on until speculation's estimated tokens/s falls below
     # plain decoding's by more than this fraction (one decoding plainly resumes only past `margin`). Single
     # steps commit 1..D+1 tokens, so a short run of unlucky ones must not send a request that speculation
-    # serves well to plain decoding until a probe brings it back.
+    # serves well to plain decoding until a probe brings it back. Greedy requests only: at T > 0 a step's tokens
+    # are mostly the luck of the draw, and a probe that drew lucky re-enabled speculation that the hold then kept
+    # going while it lost (moespec-base, bench of 774adc4: evict speculated 32 and 26 steps in a row on GSM8K at
+    # 1.3 tokens a step; a joint trace, 26 steps committing 1 token each on one MT-Bench prompt, 67 tok/s against
+    # 76 without the hold).
     hold: float = 0.15
     probe_overhead: float = 0.005  # a losing probe may cost at most this share of the plain time between probes
     # ... or, for greedy requests, this share times the engine's probe win rate, when larger: where probes often
@@ -255,7 +261,8 @@ class GuardState:
             return None
         if self.memory.spec_tokens.count < self.config.min_spec_steps:
             return None
-        margin = self.config.margin - (0.0 if self.declined else self.config.hold)
+        held = self.greedy and not self.declined  # the hold is for greedy requests (GuardConfig.hold)
+        margin = self.config.margin - (self.config.hold if held else 0.0)
         return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, margin)
 
     def speculate(self) -> bool:
