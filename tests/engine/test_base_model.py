@@ -43,10 +43,10 @@ def references(paths):
 
 def test_the_shipped_profile_turns_joints_expert_term_off(paths):
     """On this CPU a woken expert costs ~20 us at a fixed verified count: choosing nodes by their experts
-    can move a step by ~1 ms while the predictor and greedy cost ~3.9 ms, so joint selects as evict."""
+    can move a step by ~1 ms while the predictor and greedy cost ~1.4 ms, so joint selects as evict."""
     table = CostTable.load(paths["target"].parent / "cost_profile.json")
     pays, why = expert_term_pays(table)
-    assert not pays and table.expert_model.expert_saving < table.expert_overhead / 2, why
+    assert not pays and table.expert_model.expert_saving < table.expert_overhead, why
     llm = LLM("moespec-base")
     assert llm.policy.name == "joint" and not llm.policy.reads_experts and llm.engine.predictor is None
 
