@@ -40,7 +40,7 @@ from ..core.device import host_tensor, token_tensor
 from ..core.layout import TreeLayout, build_layout, root_layout, selected_columns
 from ..core.select import path_bits
 from ..core.tree import DraftTree, deepest_selected, gather_nodes, limit_depth, top_k_nodes
-from ..core.values import RequestValues, accepted_nodes, with_values
+from ..core.values import RequestValues, accepted_nodes
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
 from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
@@ -298,7 +298,8 @@ class BatchedEngine:
         drafted tree either way)."""
         cut, valued = [], []
         for active, draft in zip(running, drafts):
-            tree, ranked = self.engine.candidates(draft.tree, self._valued(active, draft))
+            context = active.request.prompt_ids + active.request.output_ids
+            tree, ranked = self.engine.candidates(draft.tree, draft, context, active.values)
             cut.append(Draft(tree, draft.node_hidden))
             valued.append(ranked)
         return cut, valued
@@ -318,13 +319,6 @@ class BatchedEngine:
         if self._selects_as == "ecospec-batch":
             return self._ecospec_batch(valued, predictions)
         return [self.engine._select(v, e, rb, None).node_idx for v, (e, rb) in zip(valued, predictions)]
-
-    @staticmethod
-    def _valued(active: _Active, draft: Draft) -> DraftTree:
-        if active.values is None:
-            return draft.tree
-        context = active.request.prompt_ids + active.request.output_ids
-        return with_values(draft.tree, active.values.values(draft.tree, draft, context))
 
     def _joint_batch(self, trees: list[DraftTree], predictions) -> list[torch.Tensor]:
         budget = self.engine.tree.max_draft_tokens

@@ -144,8 +144,7 @@ class GoodputGuard:
         winner = self._goodput[(self._nearest_measured(batch_size), before)].value if probed else 0.0
         key = (batch_size, speculated)
         mean_s = self._seconds.setdefault(key, Ewma(warmup=self.min_spec_steps))
-        if mean_s.count >= mean_s.warmup:  # one stalled step counts as at most TIME_CLIP times this mode's mean
-            seconds = min(seconds, TIME_CLIP * mean_s.value)
+        seconds = mean_s.clipped(seconds, TIME_CLIP)  # one stalled step counts as at most TIME_CLIP times the mean
         self._goodput.setdefault(key, Ewma(warmup=self.min_spec_steps)).update(tokens / max(seconds, 1e-9), self.alpha)
         mean_s.update(seconds, self.alpha)
         self._decisions.clear()

@@ -200,9 +200,7 @@ class SpecEngine:
         t_draft = time.perf_counter() - t0 + t_scout
 
         t0 = time.perf_counter()
-        # Values only re-rank which nodes are verified; the layout and verification use the drafted tree.
-        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
-        tree, valued = self.candidates(tree, valued)
+        tree, valued = self.candidates(tree, draft, context, values)
         t_values = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -307,11 +305,15 @@ class SpecEngine:
             return node_idx[:, :K], depth  # -1 pads come last: the selection is ordered
         return torch.nn.functional.pad(node_idx, (0, K - node_idx.shape[1]), value=-1), depth
 
-    def candidates(self, tree: DraftTree, valued: DraftTree) -> tuple[DraftTree, DraftTree]:
-        """The drafted nodes the policy chooses among, as (tree, valued: the same with node values as
-        scores): for a policy that reads expert sets, the top `policy.candidate_count` by value (a
-        parent-closed prefix, as EAGLE-3 prunes by score). Expert prediction costs per node: over a
-        moespec-base tree of 328 nodes it would cost a tenth of a step, while selections take 2-8 nodes."""
+    def candidates(self, tree: DraftTree, draft: Draft, context: list[int], values: RequestValues | None
+                   ) -> tuple[DraftTree, DraftTree]:
+        """The drafted nodes the policy chooses among, as (tree, valued: the same with the request's node
+        values as scores, where it has a value model): for a policy that reads expert sets, the top
+        `policy.candidate_count` by value (a parent-closed prefix, as EAGLE-3 prunes by score). Expert
+        prediction costs per node: over a moespec-base tree of 328 nodes it would cost a tenth of a step,
+        while selections take 2-8 nodes. Values only re-rank which nodes are verified; the layout and
+        verification use the drafted tree."""
+        valued = with_values(tree, values.values(tree, draft, context)) if values is not None else tree
         m = self.policy.candidate_count(self.tree.max_draft_tokens) if self.predictor is not None else None
         return (tree, valued) if m is None else keep_top_valued(tree, valued, m)
 

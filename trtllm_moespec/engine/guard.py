@@ -171,15 +171,21 @@ class Ewma:
     first: list[float] = field(default_factory=list, repr=False)  # the warm-up observations
 
     def update(self, x: float, weight: float, clip: float | None = None) -> None:
-        """Add observation x; with `clip`, x counts as at most clip times the current mean (after the warm-up)."""
+        """Add observation x; with `clip`, x counts as at most clip times the current mean (`clipped`)."""
         if self.count < self.warmup:
             self.first.append(x)
             self.value, self.count = statistics.median(self.first), self.count + 1
             return
-        if self.count and clip is not None:
-            x = min(x, clip * self.value)
+        x = self.clipped(x, clip)
         self.value = x if self.count == 0 else (1 - weight) * self.value + weight * x
         self.count += 1
+
+    def clipped(self, x: float, clip: float | None) -> float:
+        """x as the next observation counts: at most clip times the current mean, once there is a mean past
+        the warm-up (the warm-up's median needs no clip)."""
+        if clip is None or self.count < max(self.warmup, 1):
+            return x
+        return min(x, clip * self.value)
 
     def window_weight(self, window: int) -> float:
         """The weight of the next observation that makes this the plain mean of the first `window`

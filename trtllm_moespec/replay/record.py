@@ -46,9 +46,9 @@ class RecordingEngine(SpecEngine):
         yield from super().run(request)
         self.builder.finish_request(request.prompt_ids + request.output_ids)
 
-    def candidates(self, tree, valued):
+    def candidates(self, tree, *args):
         self._drafted = tree  # the record keeps every drafted node: replay cuts to each policy's candidates itself
-        return super().candidates(tree, valued)
+        return super().candidates(tree, *args)
 
     def _predict(self, context, tree, draft, cache):
         experts, root_bits = super()._predict(context, tree, draft, cache)
