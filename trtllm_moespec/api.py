@@ -241,6 +241,16 @@ class LLM:
         rest = text.finish(request.output_ids, request.stop_trim)
         yield StreamEvent([], rest, RequestOutput.of(request, text.sent, prompt))
 
+    def warm_up(self, tokens: int = 8, engine=None) -> float:
+        """Pay the process's one-time costs now, not in the first request (`moespec serve` does before it
+        serves): a greedy and a sampled request of `tokens` tokens through `engine` (default: this LLM's;
+        or a batched or serving engine over it), every step speculative and no state left behind
+        (`SpecEngine.warm_up`). Returns seconds."""
+        ids = self.encode(["def warm_up(n):\n    return"])[0]
+        params = [SamplingParams(max_tokens=tokens, ignore_eos=True),
+                  SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True)]
+        return (engine or self.engine).warm_up([self.make_request(ids, p) for p in params])
+
     def make_request(self, ids: list[int], params: SamplingParams) -> Request:
         """A checked engine request (for tools that drive `llm.engine.run` step by step): one completion."""
         if params.n != 1:

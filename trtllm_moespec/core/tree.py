@@ -401,7 +401,7 @@ def top_k_nodes(tree: DraftTree, k: int) -> torch.Tensor:
     kernel = compiled_top() if B == 1 and N and k and tree.token_ids.device.type == "cpu" else None
     if kernel is not None:  # one CPU tree: the best k in one compiled pass (select_host.py), no sort of all N
         kernel(tree.log_scores[0].numpy(), tree.depth[0].numpy(), tree.valid[0].numpy(), top[0, :min(k, N)])
-    elif N:  # one numpy pass (the ordering is host work anyway): no tensor ops around it
+    elif N and k:  # one numpy pass (the ordering is host work anyway): no tensor ops around it
         order, valid = _score_order_host(tree)
         n = min(k, N)
         top[:, :n] = np.where(valid[:, :n], order[:, :n], -1)

@@ -122,6 +122,19 @@ class BatchedEngine:
         # request's batch first speculates: requests that never speculate never pay for a drafter forward.
         self._defer_drafter = self.guard is not None
 
+    def warm_up(self, requests: list[Request]) -> float:
+        """`SpecEngine.warm_up` for the batched step: `requests` decoded together, every step speculative,
+        by a batch engine of their own over `engine.unguarded()` (this one's batch guard and admitted
+        requests are untouched). Returns seconds."""
+        t0 = time.perf_counter()
+        batch = BatchedEngine(self.engine.unguarded(), len(requests), costs=self.costs, goodput_guard=False,
+                              batch_policy=self.batch_policy)
+        for request in requests:
+            batch.add(request)
+        while batch.num_active:
+            batch.step()
+        return time.perf_counter() - t0
+
     # ------------------------------------------------------------------ admission
     @property
     def num_active(self) -> int:

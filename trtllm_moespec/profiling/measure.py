@@ -21,7 +21,7 @@ from typing import Callable, ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..core.policies import Selection, SelectionPolicy
+from ..core.policies import Selection, SelectionPolicy, _from_prefix
 from ..core.tree import DraftTree, top_k_nodes
 from ..engine.engine import Request
 from ..engine.stats import StepStats
@@ -60,14 +60,8 @@ class ForcedBudget(SelectionPolicy):
         self.k = 0
 
     def select(self, tree: DraftTree, experts=None, root_experts=None, target_scores=None) -> Selection:
-        order = top_k_nodes(tree, self.max_k)  # [B, max_k] score order, -1 pad
-        k = min(self.k, order.shape[1])
-        node_idx = order[:, :k]  # [B, k]
-        keep = node_idx >= 0
-        scores = torch.gather(tree.scores, 1, node_idx.clamp(min=0)) if k else node_idx.new_zeros(tree.batch_size, 0).float()
-        expected = 1.0 + torch.where(keep, scores, 0.0).double().sum(1)
-        nan = torch.full((tree.batch_size,), math.nan, dtype=torch.float64, device=order.device)
-        return Selection(torch.where(keep, node_idx, -1), keep.sum(1), expected, nan)
+        # eagle3's own selection path (policies.Eagle3Policy), at budget k: a step costs what its selection costs
+        return _from_prefix(top_k_nodes(tree, self.k), None, tree.scores, None)
 
 
 @dataclass(frozen=True)

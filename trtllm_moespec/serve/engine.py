@@ -80,6 +80,10 @@ class ServingEngine(Protocol):
     def step(self) -> tuple[list[StepOutput], BatchStepStats]:
         """Advance every admitted request by one iteration."""
 
+    def warm_up(self, requests: list[Request]) -> float:
+        """Decode `requests` apart from the admitted ones, paying the process's one-time costs
+        (`SpecEngine.warm_up`); seconds."""
+
 
 class RoundRobinEngine:
     """`ServingEngine` over the per-request `SpecEngine`: one iteration of each request in turn.
@@ -98,6 +102,9 @@ class RoundRobinEngine:
     @property
     def num_active(self) -> int:
         return len(self._runs)
+
+    def warm_up(self, requests: list[Request]) -> float:
+        return self.engine.warm_up(requests)
 
     def add(self, request: Request) -> None:
         if len(self._runs) >= self.max_batch_size:
@@ -142,6 +149,9 @@ class BatchedServingEngine:
     @property
     def num_active(self) -> int:
         return self.engine.num_active
+
+    def warm_up(self, requests: list[Request]) -> float:
+        return self.engine.warm_up(requests)
 
     def add(self, request: Request) -> None:
         self.engine.add(request)

@@ -75,11 +75,13 @@ class ServerThread:
                  port: int = 0, model_name: str = "moespec", chat_template: str | None = None,
                  engine: ServingEngine | str = "batched", log_level: str = "warning", tool_call_parser: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-                 shutdown_timeout: float = 30.0, chat_template_name: str = "template"):
+                 shutdown_timeout: float = 30.0, chat_template_name: str = "template", warm_up: bool = False):
         if chat_template is not None:  # a broken template stops the server here, not at every chat
             check_chat_template(llm.tokenizer, chat_template, chat_template_name)
         if isinstance(engine, str):
             engine = make_engine(llm, max_batch_size, engine)
+        if warm_up:  # the first request then pays no one-time costs (kernel caches loading, first allocations)
+            log.info("warmed up in %.2f s", llm.warm_up(engine=engine))
         self.scheduler = Scheduler(engine, max_queue, ServeMetrics(model_name, prefix_cache=llm.engine.prefix_cache))
         self.server = Server(llm, self.scheduler, model_name, chat_template, tool_call_parser, max_request_bytes,
                              api_key=api_key)
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                           port=args.port, model_name=name, chat_template=template, engine=kind,
                           log_level=args.log_level, tool_call_parser=args.tool_call_parser,
                           max_request_bytes=args.max_request_bytes, api_key=args.api_key,
-                          shutdown_timeout=args.shutdown_timeout, chat_template_name=args.chat_template or "template")
+                          shutdown_timeout=args.shutdown_timeout, chat_template_name=args.chat_template or "template",
+                          warm_up=True)
     log.info("serving %s (policy %s, %s engine, max batch %d) at %s", name, args.policy, kind, args.max_batch_size,
              server.url)
     server.serve()  # blocks; SIGTERM / Ctrl-C drain it
