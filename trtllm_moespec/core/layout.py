@@ -104,6 +104,8 @@ def selected_columns(node_idx: torch.Tensor) -> torch.Tensor:
     Policies return a fixed-width selection; every laid-out position costs a token of target
     compute, so a verify on the host runs over the selected nodes only (the device path cuts the
     selection to a captured verify length instead). Positions of the kept columns do not move."""
+    if node_idx.shape[1] == 0:
+        return node_idx
     used = np.flatnonzero((node_idx.numpy() >= 0).any(0))
     return node_idx[:, : int(used[-1]) + 1 if used.size else 0]
 
@@ -122,6 +124,8 @@ def build_layout(tree: DraftTree, node_idx: torch.Tensor, root_ids: torch.Tensor
     between selection and verify.
     """
     B, K = node_idx.shape
+    if K == 0:  # nothing selected (a cost-aware policy's k = 0): a plain step's layout, no bookkeeping
+        return root_layout(root_ids)
     device = tree.token_ids.device
     if device.type == "cpu" and node_idx.device.type == "cpu":
         kernel = compiled_layout() if B == 1 else None
