@@ -108,6 +108,8 @@ def _from_prefix(order: torch.Tensor, k: torch.Tensor | None, scores: torch.Tens
 def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.Tensor | np.ndarray | None,
                       device: torch.device) -> Selection:
     """`_from_prefix` on numpy arrays: order o [B, M], k kk [B], scores s [B, N] (float32), cost [B] or None."""
+    if len(kk) == 1 and device.type == "cpu":
+        return _one_prefix(o, int(kk[0]), s, cost)
     keep = np.arange(o.shape[1]) < kk[:, None]
     picked = s[np.arange(len(kk))[:, None], np.maximum(o, 0)] if s.shape[1] else np.zeros(o.shape)
     expected = 1.0 + np.where(keep, picked, 0).sum(1, dtype=np.float64)  # float64 sum of the float32 scores
@@ -117,6 +119,18 @@ def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.
     elif isinstance(cost, np.ndarray):
         cost = to(np.ascontiguousarray(cost))
     return Selection(to(np.where(keep, o, -1)), to(keep.sum(1).astype(np.int64)), to(expected), cost)
+
+
+def _one_prefix(o: np.ndarray, k: int, s: np.ndarray, cost: torch.Tensor | np.ndarray | None) -> Selection:
+    """`_prefix_selection` of one CPU request (the engine's step): the same values in half the array ops,
+    which a step runs on caches the target's forward just flushed (each costs several times its warm time)."""
+    node_idx = np.full(o.shape, -1, dtype=np.int64)
+    node_idx[0, :k] = o[0, :k]
+    expected = 1.0 + float(s[0, o[0, :k]].sum(dtype=np.float64)) if k else 1.0
+    if cost is None:
+        cost = np.array([math.nan])
+    return Selection(torch.from_numpy(node_idx), torch.tensor([k]), torch.tensor([expected], dtype=torch.float64),
+                     cost if isinstance(cost, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(cost, dtype=np.float64)))
 
 
 def _check_budget(budget: int, name: str) -> None:
