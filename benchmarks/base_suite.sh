@@ -48,6 +48,9 @@ if has overhead; then  # a speculative step's overhead and its anatomy, the comp
   python -m benchmarks.bench_step_overhead --model $M --repeats "${OVERHEAD_REPEATS:-7}" --json "$OUT/step_overhead_cpu.json"
   python -m benchmarks.bench_step_overhead --model $M --policy joint --repeats "${OVERHEAD_REPEATS:-7}" \
     --json "$OUT/step_overhead_joint_cpu.json"
+  # the goal's own measure: C(0) - plain - the drafter forwards, those timed inside the C(0) steps
+  python -m benchmarks.bench_c0_overhead --model $M --steps "${C0_STEPS:-400}" --json "$OUT/c0_overhead_cpu.json" \
+    | tee "$OUT/c0_overhead.txt"
 fi
 if has regime; then
   python -m benchmarks.regime_plot --out benchmarks/results/regime.png

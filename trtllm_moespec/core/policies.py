@@ -105,11 +105,24 @@ def _from_prefix(order: torch.Tensor, k: torch.Tensor | None, scores: torch.Tens
     return _prefix_selection(o, kk, scores.detach().cpu().numpy(), cost, order.device)
 
 
+def _from_tree(order: torch.Tensor, k: torch.Tensor | None, tree: DraftTree, cost: torch.Tensor | None) -> Selection:
+    """`_from_prefix` with the tree's path scores. For one CPU request (the engine's step) they are read
+    at the selected nodes alone: the exp of every drafted node's score costs ~50 us in a step."""
+    if tree.batch_size > 1 or order.device.type != "cpu":
+        return _from_prefix(order, k, tree.scores, cost)
+    o = order.numpy()
+    n = int((o >= 0).sum()) if k is None else int(k.reshape(-1)[0])
+    # valid nodes' path probabilities, by the same float32 exp as DraftTree.scores (the kernels match it to 1e-12)
+    picked = tree.log_scores[0].index_select(0, torch.from_numpy(o[0, :n])).exp().numpy()
+    return _one_prefix(o, n, picked, cost)
+
+
 def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.Tensor | np.ndarray | None,
                       device: torch.device) -> Selection:
     """`_from_prefix` on numpy arrays: order o [B, M], k kk [B], scores s [B, N] (float32), cost [B] or None."""
     if len(kk) == 1 and device.type == "cpu":
-        return _one_prefix(o, int(kk[0]), s, cost)
+        k = int(kk[0])
+        return _one_prefix(o, k, s[0, o[0, :k]], cost)
     keep = np.arange(o.shape[1]) < kk[:, None]
     picked = s[np.arange(len(kk))[:, None], np.maximum(o, 0)] if s.shape[1] else np.zeros(o.shape)
     expected = 1.0 + np.where(keep, picked, 0).sum(1, dtype=np.float64)  # float64 sum of the float32 scores
@@ -121,12 +134,13 @@ def _prefix_selection(o: np.ndarray, kk: np.ndarray, s: np.ndarray, cost: torch.
     return Selection(to(np.where(keep, o, -1)), to(keep.sum(1).astype(np.int64)), to(expected), cost)
 
 
-def _one_prefix(o: np.ndarray, k: int, s: np.ndarray, cost: torch.Tensor | np.ndarray | None) -> Selection:
-    """`_prefix_selection` of one CPU request (the engine's step): the same values in half the array ops,
-    which a step runs on caches the target's forward just flushed (each costs several times its warm time)."""
+def _one_prefix(o: np.ndarray, k: int, picked: np.ndarray, cost: torch.Tensor | np.ndarray | None) -> Selection:
+    """`_prefix_selection` of one CPU request (the engine's step), the selected nodes' scores `picked` [k]
+    given: the same values in half the array ops, which a step runs on caches the target's forward just
+    flushed (each costs several times its warm time)."""
     node_idx = np.full(o.shape, -1, dtype=np.int64)
     node_idx[0, :k] = o[0, :k]
-    expected = 1.0 + float(s[0, o[0, :k]].sum(dtype=np.float64)) if k else 1.0
+    expected = 1.0 + float(picked.sum(dtype=np.float64))
     if cost is None:
         cost = np.array([math.nan])
     return Selection(torch.from_numpy(node_idx), torch.tensor([k]), torch.tensor([expected], dtype=torch.float64),
@@ -157,7 +171,7 @@ class Eagle3Policy(SelectionPolicy):
         _check_budget(self.budget, "eagle3")
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
-        return _from_prefix(top_k_nodes(tree, self.budget), None, tree.scores, None)
+        return _from_tree(top_k_nodes(tree, self.budget), None, tree, None)
 
 
 @dataclass(frozen=True)
@@ -224,7 +238,7 @@ class CoveragePolicy(SelectionPolicy):
         # Smallest k with S_k >= rho * S_K (k = 0 when the tree is empty or all scores are 0).
         reached = cu >= self.rho * total * (1 - 1e-12)
         k = torch.where(total[:, 0] > 0, reached.long().argmax(1) + 1, 0)
-        return _from_prefix(order, k, tree.scores, None)
+        return _from_tree(order, k, tree, None)
 
 
 @dataclass(frozen=True)
@@ -253,7 +267,7 @@ class EcoSpecPolicy(SelectionPolicy):
             self.budget, token_cost=self.eps, expert_cost=1.0, marginal=not self.global_cost,
             placement=_checked_placement(self.placement, experts),
         )
-        return _from_prefix(greedy.node_idx, greedy.num_selected, tree.scores, None)
+        return _from_tree(greedy.node_idx, greedy.num_selected, tree, None)
 
 
 @dataclass(frozen=True)
@@ -293,7 +307,7 @@ class JointPolicy(SelectionPolicy):
             placement=_checked_placement(self.placement, experts),
         )
         j, _, cost = joint_prefix(greedy, m.c0, m.c_tok, m.c_exp)
-        return _from_prefix(greedy.node_idx, j, tree.scores, cost)
+        return _from_tree(greedy.node_idx, j, tree, cost)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Callable, ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..core.policies import Selection, SelectionPolicy, _from_prefix
+from ..core.policies import Selection, SelectionPolicy, _from_tree
 from ..core.tree import DraftTree, top_k_nodes
 from ..engine.engine import Request
 from ..engine.stats import StepStats
@@ -61,7 +61,7 @@ class ForcedBudget(SelectionPolicy):
 
     def select(self, tree: DraftTree, experts=None, root_experts=None, target_scores=None) -> Selection:
         # eagle3's own selection path (policies.Eagle3Policy), at budget k: a step costs what its selection costs
-        return _from_prefix(top_k_nodes(tree, self.k), None, tree.scores, None)
+        return _from_tree(top_k_nodes(tree, self.k), None, tree, None)
 
 
 @dataclass(frozen=True)
