@@ -113,6 +113,18 @@ def test_at_t_above_0_the_probe_budget_does_not_relax():
         assert s.probe_interval() == interval
 
 
+def test_a_sampled_probe_is_priced_with_the_drafter_catch_up_before_it():
+    """The catch-up before a speculative step is kept out of its time, but a probe pays it: at T > 0 the budget
+    prices it in, so probes are spaced by all they cost; greedy requests (and `price_catch_up=False`) do not."""
+    for price, greedy, interval in ((True, False, 400), (True, True, 40), (False, False, 200)):
+        guard = Guard(GuardConfig(probe_every=2, max_probe_every=8, probe_overhead=0.01, winning_probe_overhead=0.1,
+                                  min_spec_steps=1, price_catch_up=price))
+        s = guard.start(greedy)
+        s.observe(True, 3, 0.050, catch_up_s=0.020)  # 2 plain steps of loss, after a catch-up worth 2 more
+        _feed(s, False, 1, 0.010)
+        assert s.probe_interval() == interval, (price, greedy)  # 4 steps' loss at a 1% budget; greedy: 2 at 5%
+
+
 def test_one_unlucky_speculative_step_is_no_verdict():
     """The guard decides only after the engine has measured `min_spec_steps` speculative steps (over
     requests): one step that commits a single token in warm-up time must not send speculation away for
@@ -291,7 +303,7 @@ class _Scripted:
         self.i += 1
         return d
 
-    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None) -> None:
+    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None, catch_up_s=0.0) -> None:
         self.observed.append((speculated, seconds))
 
 

@@ -98,7 +98,7 @@ class _ScoutScript:
         self.scout_calls.append((hits, seconds))
         return self.step == "Y"
 
-    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None) -> None:
+    def observe(self, speculated, committed_tokens, seconds, verified_tokens=0, first_hit=None, catch_up_s=0.0) -> None:
         self.observed.append((speculated, seconds, first_hit))
 
 

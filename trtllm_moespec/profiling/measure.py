@@ -44,7 +44,7 @@ class ForcedGuard:
     def speculate(self) -> bool:
         return self.policy.k != PLAIN
 
-    def observe(self, *args) -> None:
+    def observe(self, *args, **kwargs) -> None:
         pass
 
 
