@@ -21,15 +21,12 @@ import statistics
 import torch
 
 from benchmarks.bench_engine import _Timed
-
-PARTS = ("drafting_bookkeeping_ms", "select_and_layout_ms", "accept_ms", "commit_ms", "engine_ms")
+from benchmarks.bench_step_overhead import PARTS, step_parts
 
 
 def _row(s, forwards_ms: float) -> dict:
     """One step's parts (ms) from its StepStats and the drafter forwards timed during it."""
-    return {"step_ms": s.step_ms, "target_ms": s.target_ms, "drafter_forward_ms": forwards_ms,
-            "drafting_bookkeeping_ms": s.draft_ms - forwards_ms, "select_and_layout_ms": s.select_ms + s.predictor_ms,
-            "accept_ms": s.verify_ms - s.target_ms, "commit_ms": s.commit_ms,
+    return {"step_ms": s.step_ms, **step_parts(s, forwards_ms),
             "engine_ms": s.step_ms - s.draft_ms - s.select_ms - s.predictor_ms - s.verify_ms - s.commit_ms,
             "speculated": float(s.speculated), "verified_tokens": float(s.verified_tokens)}
 

@@ -29,6 +29,14 @@ SWITCHES = ("MOESPEC_FUSED_DRAFT", "MOESPEC_FUSED_VALUES")  # the compiled draft
 VARIANTS = {"fused": "1", "reference": "0"}  # each variant's value of every switch
 
 
+def step_parts(s, forwards_ms: float) -> dict:
+    """The host parts (ms) of a step's overhead from its timings `s` (a StepStats, or GenerationStats' means),
+    given the drafter forwards timed during it; the engine's own part is each caller's (see PARTS)."""
+    return {"target_ms": s.target_ms, "drafter_forward_ms": forwards_ms,
+            "drafting_bookkeeping_ms": s.draft_ms - forwards_ms, "select_and_layout_ms": s.select_ms + s.predictor_ms,
+            "accept_ms": s.verify_ms - s.target_ms, "commit_ms": s.commit_ms}
+
+
 def _run(llm, ids: list[int], params) -> dict:
     """One generation with the drafter's forwards timed: per-step ms of the step, its forwards and its parts."""
     drafter = llm.engine.draft_source.drafter
@@ -40,12 +48,8 @@ def _run(llm, ids: list[int], params) -> dict:
     s = out.stats  # means per step
     forwards_ms = timer.seconds * 1e3 / s.num_steps
     step_ms = s.decode_s * 1e3 / s.num_steps
-    return {
-        "token_ids": out.token_ids, "step_ms": step_ms, "target_ms": s.target_ms, "drafter_forward_ms": forwards_ms,
-        "overhead_ms": step_ms - s.target_ms - forwards_ms, "drafting_bookkeeping_ms": s.draft_ms - forwards_ms,
-        "select_and_layout_ms": s.select_ms + s.predictor_ms, "accept_ms": s.verify_ms - s.target_ms,
-        "commit_ms": s.commit_ms, "engine_ms": s.overhead_ms, "verified_tokens": s.verified_tokens,
-    }
+    return {"token_ids": out.token_ids, "step_ms": step_ms, "overhead_ms": step_ms - s.target_ms - forwards_ms,
+            **step_parts(s, forwards_ms), "engine_ms": s.overhead_ms, "verified_tokens": s.verified_tokens}
 
 
 def main(argv=None) -> dict:

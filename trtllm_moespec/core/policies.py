@@ -141,10 +141,9 @@ def _one_prefix(o: np.ndarray, k: int, picked: np.ndarray, cost: torch.Tensor | 
     node_idx = np.full(o.shape, -1, dtype=np.int64)
     node_idx[0, :k] = o[0, :k]
     expected = 1.0 + float(picked.sum(dtype=np.float64))
-    if cost is None:
-        cost = np.array([math.nan])
-    return Selection(torch.from_numpy(node_idx), torch.tensor([k]), torch.tensor([expected], dtype=torch.float64),
-                     cost if isinstance(cost, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(cost, dtype=np.float64)))
+    if not isinstance(cost, torch.Tensor):
+        cost = torch.from_numpy(np.array([math.nan] if cost is None else cost, dtype=np.float64))
+    return Selection(torch.from_numpy(node_idx), torch.tensor([k]), torch.tensor([expected], dtype=torch.float64), cost)
 
 
 def _check_budget(budget: int, name: str) -> None:

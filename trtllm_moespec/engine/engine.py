@@ -312,8 +312,7 @@ class SpecEngine:
         ))
         if guard is not None:
             seconds = request.steps[-1].step_ms / 1e3 - t_switch
-            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"], first_hit,
-                          catch_up_s=t_switch if speculated else 0.0)
+            guard.observe(speculated, len(emitted), seconds, observed["verified_tokens"], first_hit, t_switch)
 
     def _device_selection(self, tree: DraftTree, node_idx: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The device path's one host read before the verify: the selected count and deepest depth

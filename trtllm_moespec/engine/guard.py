@@ -350,7 +350,8 @@ class GuardState:
                 first_hit: bool | None = None, catch_up_s: float = 0.0) -> None:
         """Record a finished step: its committed tokens and wall time (verified_tokens: for profiled costs;
         first_hit, for a speculative step: was the drafter's first guess its first committed token?
-        catch_up_s: the drafter's catch-up before a speculative step, kept out of `seconds`)."""
+        catch_up_s: the drafter's catch-up before a speculative step, kept out of `seconds`; read for
+        speculative steps only)."""
         w, mem = self.config.weight, self.memory
         if self.probing:
             w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
