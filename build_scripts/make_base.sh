@@ -24,7 +24,11 @@
 #   bash build_scripts/make_base.sh report         # the report and layer ablation of TARGET (default: the shipped one)
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
 # DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3),
-# AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss), TARGET (report's), REPORTED.
+# AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss, averaged over the layers that
+# train), LAYERS (the layers a fresh-cycle segment trains; default the 16 fresh ones), TARGET (report's), REPORTED.
+# The router cycle (2026-12-05) is the same cycle on the source layers whose routing moespec-tiny left near-dead
+# (an expert of layer 1 that no held-out token reached):
+#   LAYERS=0,1,12,13 FRESH_MIN=30 FRESH_LR=5e-4 AUX_COEF=0.1 bash build_scripts/make_base.sh fresh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
@@ -125,7 +129,7 @@ family)
 fresh)
   # block expansion: only the fresh layers train (the first segment, 30 minutes, ran at lr 2e-3)
   python build_scripts/train_model.py $F target --out "$R/target_fresh" --batch-size 4 --threads 1 \
-    --aux-coef "${AUX_COEF:-0.03}" --train-layers $FRESH_LAYERS $(segment "$R/target_fresh" "$(staged target "$A/target")" "${FRESH_MIN:-90}" "${FRESH_LR:-1.5e-3}") \
+    --aux-coef "${AUX_COEF:-0.03}" --train-layers "${LAYERS:-$FRESH_LAYERS}" $(segment "$R/target_fresh" "$(staged target "$A/target")" "${FRESH_MIN:-90}" "${FRESH_LR:-1.5e-3}") \
     2>&1 | tee -a runs/logs/target_fresh.log
   python build_scripts/train_model.py $F export-target --run "$R/target_fresh" --out "$R/target_fresh_export" ;;
 fresh-drafter)

@@ -92,6 +92,31 @@ def test_train_layers_freezes_every_other_weight() -> None:
         freeze_all_but(model, (0, 3))
 
 
+def test_the_balancing_loss_covers_the_layers_that_train() -> None:
+    """With `train_layers`, a step's balancing loss is the mean over those layers' routers alone: a frozen layer's
+    router cannot move, so it would only dilute the weight of those that can."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from trtllm_moespec.training.target import TargetShape, make_config
+    from trtllm_moespec.training.train_target import TrainConfig, freeze_all_but, layer_balance_loss, make_optimizer, train_step
+
+    torch.manual_seed(0)
+    shape = TargetShape(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    batch = torch.randint(0, 64, (2, 17))
+    for layers in ((), (1,), (0, 2)):
+        model = Qwen3MoeForCausalLM(make_config(shape)).train()
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.weight.mul_(50.0)  # layer 1 routes far from balance, the others near it
+            routers = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False).router_logits
+        cfg = TrainConfig(train_layers=layers)
+        freeze_all_but(model, layers)
+        _, aux = train_step(model, make_optimizer(model, cfg), batch, cfg.peak_lr, cfg)
+        covered = tuple(routers[l] for l in layers) if layers else routers
+        assert aux == pytest.approx(float(layer_balance_loss(covered, 2)), rel=1e-5)
+        assert layers == () or aux != pytest.approx(float(layer_balance_loss(routers, 2)), rel=1e-3)
+
+
 def test_parse_layers() -> None:
     from trtllm_moespec.training.target import parse_layers
 

@@ -103,13 +103,20 @@ def layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> t
     return torch.stack(losses).mean()
 
 
+def trained_routers(router_logits: tuple[torch.Tensor, ...], train_layers: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The router logits the balancing loss covers: those of the layers that train (all when ``train_layers`` is
+    empty). A frozen layer's router cannot move, and counting it in the mean only dilutes the weight of those that
+    can. Every decoder layer is an MoE layer in our families, so router_logits[l] is layer l's."""
+    return tuple(router_logits[l] for l in train_layers) if train_layers else router_logits
+
+
 def train_step(model: Qwen3MoeForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainConfig) -> tuple[float, float]:
     """One optimizer step on ``batch`` [B, S + 1]; returns (lm loss, aux loss)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
     lm_loss = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
-    aux = layer_balance_loss(out.router_logits, model.config.num_experts_per_tok)
+    aux = layer_balance_loss(trained_routers(out.router_logits, cfg.train_layers), model.config.num_experts_per_tok)
     loss = lm_loss + model.config.router_aux_loss_coef * aux
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
