@@ -143,14 +143,14 @@ def test_no_new_import_circle_in_the_package():
 
 
 def test_the_eagle3_package_is_layered_one_way():
-    """types <- cache <- layers <- modeling <- loading <- static <- graphs <- fused_step <- drafting: no module imports
+    """types <- workspace <- cache <- layers <- modeling <- loading <- static <- graphs <- fused_step <- drafting: no module imports
     a later one, except `Eagle3Drafter.draft_tree`'s deferred import of drafting (the method is the
     drafter's public entry to tree drafting; drafting needs modeling only for annotations). The
     target's verify graphs (`models/cuda_graphs.py`, whose capture machinery graphs.py shares) sit
     below the whole package."""
     graph = import_graph(PACKAGE_DIR)
     assert not {t for t in graph["trtllm_moespec.models.cuda_graphs"] if t.startswith("trtllm_moespec.models.eagle3")}
-    layers = ["types", "cache", "layers", "modeling", "loading", "static", "graphs", "fused_step", "drafting"]
+    layers = ["types", "workspace", "cache", "layers", "modeling", "loading", "static", "graphs", "fused_step", "drafting"]
     prefix = "trtllm_moespec.models.eagle3."
     allowed_upward = {("modeling", "drafting")}
     for i, layer in enumerate(layers):

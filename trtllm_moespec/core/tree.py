@@ -246,6 +246,11 @@ class TreeBuffer:
         return DraftTree(self.token_ids[:, :n], self.parents[:, :n], self.depth[:, :n], self.draft_probs[:, :n],
                          self.log_scores[:, :n], self.valid[:, :n])
 
+    def clear(self) -> None:
+        """Empty the buffer for a new tree. Its columns are rewritten as nodes are added, so a view handed out
+        before stops being valid: only an owner that knows none is held clears (`eagle3.workspace`)."""
+        self.num_nodes = 0
+
     def _take(self, count: int) -> tuple[int, int]:
         """Columns [n, n + count) for new nodes."""
         n, m = self.num_nodes, self.num_nodes + count

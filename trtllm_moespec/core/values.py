@@ -452,7 +452,9 @@ class _CalibratedRequest:
     def observe(self, tree: DraftTree, node_idx: torch.Tensor, accepted: torch.Tensor) -> None:
         if not self.model.online or self._last is None or self._last[0].shape != tree.token_ids.shape:
             return
-        local, groups = self._last
+        # used once: `local` may be a view of the drafted tree, whose buffers the next draft reuses once
+        # nothing holds them (models/eagle3/workspace.py)
+        (local, groups), self._last = self._last, None
         kernels = compiled_values() if tree.batch_size == 1 else None
         if kernels is not None and all(t.device.type == "cpu" for t in (tree.parents, node_idx, accepted)):
             self.state.add_trials(kernels[2], tree.parents[0].numpy(), node_idx[0].numpy(), accepted[0].numpy(),

@@ -6,9 +6,13 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .workspace import DraftWorkspace
 
 
 class DrafterKVPool:
@@ -113,6 +117,8 @@ class Eagle3Cache:
     last_hidden: torch.Tensor | None = None  # [1, H] pre-norm output at position S-1
     pool: DrafterKVPool | None = None
     _lease: _Lease | None = None
+    # the CPU drafting buffers this request's steps draft their trees in (workspace.py; None until the first)
+    workspace: "DraftWorkspace | None" = field(default=None, repr=False, compare=False)
 
     @property
     def keys(self) -> torch.Tensor | None:

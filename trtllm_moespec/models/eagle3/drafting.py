@@ -36,6 +36,7 @@ from ...core.policies import ddd_should_stop
 from ...core.tree import DraftTree, TreeBuffer
 from .fused_step import fused_grow_step
 from .types import PackedSegment
+from .workspace import DraftWorkspace
 
 if TYPE_CHECKING:
     from .cache import Eagle3Cache
@@ -125,13 +126,13 @@ def draft_eagle3_trees(
         if len(active) > 1:
             hidden, ids = zip(*(t.inputs() for t in active))
             out = drafter.forward_packed(torch.cat(hidden, dim=1), torch.cat(ids, dim=1),
-                                         torch.cat([t.positions[step:step + 1, :t.width] for t in active], dim=1),
+                                         torch.cat([t.position_ids(step) for t in active], dim=1),
                                          [t.segment() for t in active])
         elif frontier_runner is None:
             t = active[0]
             hidden, ids = t.inputs()
             # forward itself: Module.__call__'s hook bookkeeping costs ~15 us a call in a CPU step (issue 25)
-            out = drafter.forward(hidden, input_ids=ids, position_ids=t.positions[step:step + 1, :t.width],
+            out = drafter.forward(hidden, input_ids=ids, position_ids=t.position_ids(step),
                                   attention_mask=t.mask(), cache_kv=t.kv, cache_start=t.start + t.num_slots)
         else:  # the same forward, padded to the runner's width (CUDA: a graph replay)
             t = active[0]
@@ -172,56 +173,54 @@ class _TreeDraft:
                                 cache.last_hidden.dtype, cache.last_hidden.device)
         device, capacity = self.kv.device, topk + max_slots * topk
         self.constraint = constraint
-        self.nodes = TreeBuffer(1, capacity, device)
         self.alive: torch.Tensor | None = None  # [F] False: the constraint allows no draft token after the node
+        self.num_slots = self.num_forwards = 0
         root_logits = cache.last_logits[:, None]  # [1, 1, V_draft]
         if constraint is not None:
             root_logits = self.constrained(root_logits, None)
-        H = cache.last_hidden.shape[-1]
-        self.node_hidden = cache.last_hidden.new_empty(1, capacity, H)
-        # CPU: the per-step copies go through a numpy view (~5 us a step instead of ~13)
-        host = _host_view(self.node_hidden)
-        self._hidden_np = None if host is None else host[0]
-        self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
-        self.num_slots = self.num_forwards = 0
         root_probs = torch.softmax(root_logits.float(), dim=-1)  # [1, 1, V_draft]
-        # CPU, float32, no grammar: each step's bookkeeping in one compiled call (fused_step.py), with
-        # the next forward's inputs gathered into these buffers
-        self._fused = fused_grow_step() if self._fusable(constraint, padded) else None
+        H, forwards = cache.last_hidden.shape[-1], max(steps - 1, 0)
+        # CPU, float32, no grammar: each step's bookkeeping in one compiled call (fused_step.py), in buffers
+        # the request's drafter cache keeps between steps (workspace.py)
+        fusable = (constraint is None and not padded and device.type == "cpu"
+                   and cache.last_hidden.dtype == torch.float32 and self.kv.dtype == torch.float32)
+        self._fused = fused_grow_step() if fusable else None
         if self._fused is not None:
-            self._in_hidden = self.node_hidden.new_empty(1, topk, H)
-            self._in_ids = torch.zeros(1, topk, dtype=torch.int64)
-            self._next = np.empty(topk, dtype=np.int64)
-            h, masks = self.nodes._host, self.masks
-            # the kernel's buffer arguments, fixed for the whole draft (numpy views of the tensors above)
-            self._buffers = (masks.hidden, h.token_ids[0], h.parents[0], h.depth[0], h.draft_probs[0],
-                             h.log_scores[0], h.valid[0], self._hidden_np, masks._rows_np, masks._mask_np,
-                             self._next, self._in_hidden.numpy()[0], self._in_ids.numpy()[0])
+            ws = DraftWorkspace.of(cache, capacity, max_slots, topk, H, forwards)
+            self.nodes, self.node_hidden, self._hidden_np, self._ws = ws.nodes, ws.node_hidden, ws.hidden_np, ws
+            self._mask = ws.mask(self.start)
+            h = self.nodes._host
+            # the kernel's buffer arguments, fixed for the whole draft
+            self._buffers = (ws.mask_value, h.token_ids[0], h.parents[0], h.depth[0], h.draft_probs[0],
+                             h.log_scores[0], h.valid[0], ws.hidden_np, ws.rows, self._mask,
+                             ws.next, ws.in_hidden[0], ws.in_ids[0])
             self._target_ids = drafter.draft_vocab_target_ids().numpy()
             self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64),
                              is_root=True)
-            self.frontier = torch.from_numpy(self._next[None])  # a view: each grow rewrites it
+            self.frontier = ws.frontier
+            # [steps - 1, topk]: row `step` holds position S + step; the forward gets a row's first F as a tensor
+            self._positions_np = ws.positions(self.start)
         else:
+            self.nodes = TreeBuffer(1, capacity, device)
+            self.node_hidden = cache.last_hidden.new_empty(1, capacity, H)
+            # CPU: the per-step copies go through a numpy view (~5 us a step instead of ~13)
+            host = _host_view(self.node_hidden)
+            self._hidden_np = None if host is None else host[0]
+            self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
             ids, probs = _top_children(drafter, root_probs, topk)  # [1, 1, topk]
             probs = self._alive_only(probs)
             self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
             self._write_hidden(0, cache.last_hidden[0][None])
-        # [steps - 1, topk]: row `step` holds position S + step (made once for the whole draft; on CPU by numpy)
-        rows = max(steps - 1, 0)
-        if device.type == "cpu":
-            self.positions = torch.from_numpy(np.repeat(np.arange(self.start, self.start + rows)[:, None], topk, 1))
-        else:
-            self.positions = torch.arange(self.start, self.start + rows, device=device)[:, None].expand(rows, topk)
+            self._positions_np = None
+            if device.type == "cpu":
+                self.positions = torch.from_numpy(np.repeat(np.arange(self.start, self.start + forwards)[:, None], topk, 1))
+            else:
+                self.positions = torch.arange(self.start, self.start + forwards, device=device)[:, None].expand(forwards, topk)
         self.stopped = False
         self.padded = padded  # expand the frontier with its -1 pads, never reading how many are real
         self.f: torch.Tensor | None = None  # the frontier's node idx [F] being expanded (-1 pads when padded)
         self.rows: torch.Tensor | None = None  # f with pads read as node 0 (what the forward's rows gather)
         self.width = 0  # F
-
-    def _fusable(self, constraint: DraftConstraint | None, padded: bool) -> bool:
-        return (constraint is None and not padded and self._hidden_np is not None
-                and self.node_hidden.dtype == torch.float32 and self.masks._mask_np is not None
-                and self.masks.mask.dtype == torch.float32)
 
     def _fused_grow(self, probs: np.ndarray, hidden: np.ndarray, frontier: np.ndarray, is_root: bool = False) -> None:
         """`grow_step` on this tree's buffers: probs [F, V_draft] and hidden [F, H] of the frontier's rows."""
@@ -239,7 +238,7 @@ class _TreeDraft:
             self.rows, self.width = self.f.clamp(min=0), self.f.numel()
             return True
         # the compiled step returned how many of its frontier entries are real (they come first)
-        f = torch.from_numpy(self._next[:self._num_next].copy()) if self._fused is not None else _valid(self.frontier[0])
+        f = torch.from_numpy(self._ws.next[:self._num_next].copy()) if self._fused is not None else _valid(self.frontier[0])
         self.stopped = (f.numel() == 0
                         or (ddd_threshold is not None and bool(ddd_should_stop(self.nodes.tree().scores[:, f], ddd_threshold)[0]))
                         or (should_expand is not None and not should_expand(self.nodes.tree(), f)))
@@ -263,14 +262,22 @@ class _TreeDraft:
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden of the forward that proposed each frontier node [1, F, H], their tokens [1, F])."""
         if self._fused is not None:  # gathered by the last grow
-            return self._in_hidden[:, :self.width], self._in_ids[:, :self.width]
+            ws = self._ws
+            return torch.from_numpy(ws.in_hidden[:, :self.width]), torch.from_numpy(ws.in_ids[:, :self.width])
         return self.node_hidden.index_select(1, self.rows), self.nodes.token_ids.index_select(1, self.rows)
 
     def mask(self) -> torch.Tensor:
+        """[1, 1, F, S + slots + F] the frontier's additive attention mask."""
         if self._fused is not None:  # written by the last grow
             F_ = self.width
-            return self.masks.mask[None, None, :F_, :self.start + self.num_slots + F_]
+            return torch.from_numpy(self._mask[None, None, :F_, :self.start + self.num_slots + F_])
         return self.masks.frontier(self.rows, self.num_slots)
+
+    def position_ids(self, step: int) -> torch.Tensor:
+        """[1, F] the frontier's positions at drafting step `step`: S + step for each row."""
+        if self._positions_np is not None:
+            return torch.from_numpy(self._positions_np[step:step + 1, :self.width])
+        return self.positions[step:step + 1, :self.width]
 
     def segment(self) -> PackedSegment:
         return PackedSegment(self.kv, self.start + self.num_slots, self.width, self.mask())
