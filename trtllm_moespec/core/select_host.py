@@ -95,12 +95,13 @@ def top_indices(p, k, out):
     """out[:k] = indices of the k largest of p, largest first, ties to the lower index (insertion into a sorted
     list: a row's top-k in one pass; the drafting step's children and the predictor's experts per layer)."""
     n = 0  # entries of out filled so far
+    floor = p[0] if p.shape[0] else 0.0  # once k are kept: the smallest kept value, what a later entry must beat (one compare each)
     for d in range(p.shape[0]):
         x = p[d]
         if n < k:
             pos = n
             n += 1
-        elif x > p[out[k - 1]]:
+        elif x > floor:
             pos = k - 1  # replaces the smallest kept
         else:
             continue
@@ -108,3 +109,5 @@ def top_indices(p, k, out):
             out[pos] = out[pos - 1]
             pos -= 1
         out[pos] = d
+        if n == k:
+            floor = p[out[k - 1]]

@@ -302,7 +302,7 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.node_hidden)
+        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.drafted)
                 for d, r in zip(drafts, requests)]
 
     def _candidates(self, running: list[_Active], drafts: list[Draft]) -> tuple[list[Draft], list[DraftTree]]:
@@ -313,7 +313,7 @@ class BatchedEngine:
         for active, draft in zip(running, drafts):
             context = active.request.prompt_ids + active.request.output_ids
             tree, ranked = self.engine.candidates(draft.tree, draft, context, active.values)
-            cut.append(Draft(tree, draft.node_hidden))
+            cut.append(Draft(tree, draft.drafted))
             valued.append(ranked)
         return cut, valued
 

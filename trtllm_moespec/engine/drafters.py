@@ -14,7 +14,7 @@ import torch
 from ..core.tree import DraftTree
 from ..core.verify import VerifyResult
 from ..models.cuda_graphs import GraphCaptureError, warn_fallback
-from ..models.eagle3.drafting import draft_eagle3_tree, draft_eagle3_trees
+from ..models.eagle3.drafting import Eagle3Draft, draft_eagle3_tree, draft_eagle3_trees
 from ..models.target import TargetOutput
 
 if TYPE_CHECKING:
@@ -23,8 +23,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Draft:
-    tree: DraftTree  # [1, N] the drafted tree
-    node_hidden: torch.Tensor | None  # [1, N, H] drafter features per node (EAGLE-3), else None
+    tree: DraftTree  # [1, N] the drafted tree (the drafter's, or cut from it with the same N columns)
+    drafted: Eagle3Draft | None = None  # what the EAGLE-3 drafter returned, whose features are read on demand
+
+    @property
+    def node_hidden(self) -> torch.Tensor | None:
+        """[1, N, H] drafter features per node (EAGLE-3), else None; made when a predictor first reads them."""
+        return None if self.drafted is None else self.drafted.node_hidden
 
 
 class NoDraft:
@@ -130,7 +135,7 @@ class Eagle3Source:
                                           state.constraint, self.sync_free)
         else:
             out = self._draft_static(state.cache, expand, state.constraint)
-        return Draft(out.tree, out.node_hidden)
+        return Draft(out.tree, out)
 
     def draft_batch(self, states: list["Eagle3State"], contexts: list[list[int]], device: torch.device) -> list[Draft]:
         """`draft` for a batch's requests with their drafter forwards packed: one catch-up forward, then
@@ -142,7 +147,7 @@ class Eagle3Source:
         outs = draft_eagle3_trees(self.drafter, [s.cache for s in states], self.steps, self.topk, self.ddd_threshold,
                                   [self._expand_rule(s) for s in states], constraints=[s.constraint for s in states],
                                   sync_free=self.sync_free)
-        return [Draft(out.tree, out.node_hidden) for out in outs]
+        return [Draft(out.tree, out) for out in outs]
 
     def _expand_rule(self, state: "Eagle3State") -> Callable[[DraftTree, torch.Tensor], bool] | None:
         rule = self.stop_rule

@@ -26,6 +26,7 @@ nodes are those the host-read path drafts; the tree just keeps more invalid ones
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -49,8 +50,17 @@ class Eagle3Draft:
     """A drafted tree plus per-node drafter features."""
 
     tree: DraftTree
-    node_hidden: torch.Tensor  # [1, N, H] pre-norm drafter hidden of the forward that proposed each node
+    # [1, R, H] pre-norm drafter hidden of each forward row that proposed children (the root's first, then each
+    # expanded node's in order): every row proposes `topk` children, so node v's features are row v // topk's
+    row_hidden: torch.Tensor
+    topk: int
     num_forwards: int  # drafter forwards run (steps - 1 unless DDD stopped early)
+
+    @functools.cached_property
+    def node_hidden(self) -> torch.Tensor:
+        """[1, N, H] the features of the forward that proposed each node (made when first read: most policies
+        never read them, and a copy per node is ~8x the rows')."""
+        return self.row_hidden.repeat_interleave(self.topk, dim=1)[:, :self.tree.num_nodes]
 
 
 ExpandRule = Callable[[DraftTree, torch.Tensor], bool]  # (tree so far, frontier node idx [F]) -> expand it?
@@ -187,7 +197,7 @@ class _TreeDraft:
         self._fused = fused_grow_step() if fusable else None
         if self._fused is not None:
             ws = DraftWorkspace.of(cache, capacity, max_slots, topk, H, forwards)
-            self.nodes, self.node_hidden, self._hidden_np, self._ws = ws.nodes, ws.node_hidden, ws.hidden_np, ws
+            self.nodes, self.row_hidden, self._hidden_np, self._ws = ws.nodes, ws.row_hidden, ws.hidden_np, ws
             self._mask = ws.mask(self.start)
             h = self.nodes._host
             # the kernel's buffer arguments, fixed for the whole draft
@@ -202,9 +212,9 @@ class _TreeDraft:
             self._positions_np = ws.positions(self.start)
         else:
             self.nodes = TreeBuffer(1, capacity, device)
-            self.node_hidden = cache.last_hidden.new_empty(1, capacity, H)
+            self.row_hidden = cache.last_hidden.new_empty(1, capacity // topk, H)  # as DraftWorkspace.row_hidden
             # CPU: the per-step copies go through a numpy view (~5 us a step instead of ~13)
-            host = _host_view(self.node_hidden)
+            host = _host_view(self.row_hidden)
             self._hidden_np = None if host is None else host[0]
             self.masks = _TreeMasks(self.start, max_slots, capacity, topk, self.kv.dtype, device)
             ids, probs = _top_children(drafter, root_probs, topk)  # [1, 1, topk]
@@ -264,7 +274,8 @@ class _TreeDraft:
         if self._fused is not None:  # gathered by the last grow
             ws = self._ws
             return torch.from_numpy(ws.in_hidden[:, :self.width]), torch.from_numpy(ws.in_ids[:, :self.width])
-        return self.node_hidden.index_select(1, self.rows), self.nodes.token_ids.index_select(1, self.rows)
+        return (self.row_hidden.index_select(1, torch.div(self.rows, self.topk, rounding_mode="floor")),
+                self.nodes.token_ids.index_select(1, self.rows))
 
     def mask(self) -> torch.Tensor:
         """[1, 1, F, S + slots + F] the frontier's additive attention mask."""
@@ -297,15 +308,17 @@ class _TreeDraft:
         self.num_slots += F_
 
     def _write_hidden(self, first: int, hidden: torch.Tensor) -> None:
-        """Nodes first.. are the `topk` children of each of hidden's rows [F, H], in order: each gets its row."""
-        F_, k = hidden.shape[0], self.topk
+        """Nodes first.. are the `topk` children of each of hidden's rows [F, H]: the rows' features go to
+        rows first // topk.. of row_hidden."""
+        r = first // self.topk
         if self._hidden_np is not None:
-            self._hidden_np[first:first + F_ * k].reshape(F_, k, -1)[:] = hidden.numpy()[:, None]
+            self._hidden_np[r:r + hidden.shape[0]] = hidden.numpy()
         else:
-            self.node_hidden[0, first:first + F_ * k].view(F_, k, -1).copy_(hidden[:, None])
+            self.row_hidden[0, r:r + hidden.shape[0]].copy_(hidden)
 
     def result(self) -> Eagle3Draft:
-        return Eagle3Draft(tree=self.nodes.tree(), node_hidden=self.node_hidden[:, :self.nodes.num_nodes],
+        n = self.nodes.num_nodes
+        return Eagle3Draft(tree=self.nodes.tree(), row_hidden=self.row_hidden[:, :n // self.topk], topk=self.topk,
                            num_forwards=self.num_forwards)
 
 

@@ -33,7 +33,7 @@ def fused_grow_step():
 
 
 def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefix_len, is_root, hidden_value,
-              token_ids, parents, depth, draft_probs, log_scores, valid, node_hidden, rows, mask,
+              token_ids, parents, depth, draft_probs, log_scores, valid, row_hidden, rows, mask,
               next_frontier, in_hidden, in_ids):
     """Add the top-`topk` children of each frontier node, then prepare the next step. Returns F', the
     number of real nodes in the next frontier.
@@ -42,8 +42,9 @@ def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefi
     frontier [F] node idx (is_root: the tree is empty and the one row is the root's); target_ids [V]
     the target id of each draft token; first: the first new node's idx; num_slots: tree key slots
     before this step's F; hidden_value: the mask's value of a slot not visible. The node arrays
-    ([N]: token_ids, parents, depth, draft_probs, log_scores, valid; node_hidden [N, H]) get nodes
-    first .. first + F * topk - 1, topk per row in order.
+    ([N]: token_ids, parents, depth, draft_probs, log_scores, valid) get nodes first .. first + F * topk - 1,
+    topk per row in order; row_hidden [N / topk, H] gets the rows' features, row first / topk + i for row i
+    (every forward row proposes topk children, so node v's features are row v // topk's).
     rows [N, slots] f32 each node's visibility of the tree slots; mask [topk, prefix_len + slots] f32
     the frontier's attention rows (0 visible, else hidden), as the forward just used them.
     Outputs: next_frontier [topk] (the top-`topk` new nodes by score, ties to the earlier node, -1 for
@@ -54,6 +55,7 @@ def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefi
     width = num_slots + F  # the slots this step's children inherit: their ancestors' and their parents' own
     chosen = np.empty(topk, dtype=np.int64)
     for i in range(F):
+        row_hidden[first // topk + i, :] = hidden[i, :]
         parent = frontier[i]
         base_log = np.float32(0.0) if is_root else log_scores[parent]
         base_depth = 0 if is_root else depth[parent]
@@ -67,7 +69,6 @@ def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefi
             draft_probs[v] = p
             log_scores[v] = base_log + np.float32(np.log(min(max(p, np.float32(0.0)), np.float32(1.0))))
             valid[v] = True
-            node_hidden[v, :] = hidden[i, :]
             if not is_root:  # a child sees what its parent saw (the root's children: no tree slot yet)
                 rows[v, :width] = mask[i, prefix_len:prefix_len + width]
     count = F * topk
@@ -84,7 +85,7 @@ def grow_step(probs, hidden, frontier, target_ids, topk, first, num_slots, prefi
         return n_next  # the last step: no slots left for another forward
     for k in range(n_next):
         v = next_frontier[k]
-        in_hidden[k, :] = node_hidden[v, :]
+        in_hidden[k, :] = row_hidden[v // topk, :]
         in_ids[k] = token_ids[v]
         mask[k, prefix_len:prefix_len + slots + n_next] = hidden_value
         mask[k, prefix_len:prefix_len + slots] = rows[v, :slots]

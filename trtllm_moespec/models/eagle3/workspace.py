@@ -33,8 +33,9 @@ class DraftWorkspace:
     def __init__(self, capacity: int, max_slots: int, topk: int, hidden_size: int, forwards: int):
         self.shape = (capacity, max_slots, topk, hidden_size, forwards)
         self.nodes = TreeBuffer(1, capacity, "cpu")
-        self.node_hidden = torch.from_numpy(np.empty((1, capacity, hidden_size), dtype=np.float32))
-        self.hidden_np = self.node_hidden.numpy()[0]  # [capacity, H]
+        # the features of each forward row (the root's, then every expanded node's): its topk children's
+        self.row_hidden = torch.from_numpy(np.empty((1, capacity // topk, hidden_size), dtype=np.float32))
+        self.hidden_np = self.row_hidden.numpy()[0]  # [capacity / topk, H]
         self.mask_value = float(torch.finfo(torch.float32).min)  # a slot a row does not see
         # each node's visibility of the tree slots: a row is written (up to the slots it may read) when its node is
         self.rows = np.full((capacity, max(max_slots, 1)), self.mask_value, dtype=np.float32)
@@ -45,7 +46,7 @@ class DraftWorkspace:
         self.frontier = torch.from_numpy(self.next[None])  # [1, topk] a view: each grow rewrites it
         self._positions = np.empty((max(forwards, 0), topk), dtype=np.int64)
         n = self.nodes
-        self._handed_out = (n.token_ids, n.parents, n.depth, n.draft_probs, n.log_scores, n.valid, self.node_hidden)
+        self._handed_out = (n.token_ids, n.parents, n.depth, n.draft_probs, n.log_scores, n.valid, self.row_hidden)
         self._own_counts = [_use_count(t) for t in self._handed_out]
 
     @classmethod
