@@ -113,7 +113,7 @@ def _from_tree(order: torch.Tensor, k: torch.Tensor | None, tree: DraftTree, cos
     o = order.numpy()
     n = int((o >= 0).sum()) if k is None else int(k.reshape(-1)[0])
     # valid nodes' path probabilities, by the same float32 exp as DraftTree.scores (the kernels match it to 1e-12)
-    picked = tree.log_scores[0].index_select(0, torch.from_numpy(o[0, :n])).exp().numpy()
+    picked = tree.log_scores[0].index_select(0, torch.from_numpy(o[0, :n])).exp().numpy() if n else np.zeros(0)
     return _one_prefix(o, n, picked, cost)
 
 
@@ -143,7 +143,9 @@ def _one_prefix(o: np.ndarray, k: int, picked: np.ndarray, cost: torch.Tensor | 
     expected = 1.0 + float(picked.sum(dtype=np.float64))
     if not isinstance(cost, torch.Tensor):
         cost = torch.from_numpy(np.array([math.nan] if cost is None else cost, dtype=np.float64))
-    return Selection(torch.from_numpy(node_idx), torch.tensor([k]), torch.tensor([expected], dtype=torch.float64), cost)
+    # (from numpy: torch.tensor of a list costs ~3x as much)
+    return Selection(torch.from_numpy(node_idx), torch.from_numpy(np.array([k], dtype=np.int64)),
+                     torch.from_numpy(np.array([expected], dtype=np.float64)), cost)
 
 
 def _check_budget(budget: int, name: str) -> None:
