@@ -81,3 +81,19 @@ def test_a_request_drafts_every_step_in_one_workspace(policy, monkeypatch):
     steps = [s for s in out.steps if s.speculated]
     assert len(steps) > 3 and sum(s.accepted_tokens for s in steps) > 0
     assert len(made) == 1
+
+
+def test_a_draft_is_cut_to_the_depth_its_request_can_emit(drafter):
+    """`Draft.tree_within`: a tree the drafter could not draft past the limit comes back as it is (no read of
+    its depths); a deeper one loses exactly its deeper nodes, as `limit_depth` cuts them."""
+    from trtllm_moespec.core.tree import limit_depth
+    from trtllm_moespec.engine.drafters import Draft
+
+    cache, _ = _prefilled(drafter, 8, seed=7)
+    drafted = draft_eagle3_tree(drafter, cache, 4, 3)  # 3 forwards: depths 1-4
+    draft = Draft(drafted.tree, drafted)
+    assert int(drafted.tree.depth.max()) == 4
+    assert draft.tree_within(4) is drafted.tree and draft.tree_within(9) is drafted.tree
+    for limit in (1, 2, 3):
+        cut, want = draft.tree_within(limit), limit_depth(drafted.tree, limit)
+        assert int(cut.depth[cut.valid].max()) == limit and torch.equal(cut.valid, want.valid)

@@ -39,7 +39,7 @@ from ..core.batch_select import ecospec_batch_select, evict_batch_select, joint_
 from ..core.device import host_tensor, token_tensor
 from ..core.layout import TreeLayout, build_layout, root_layout, selected_columns
 from ..core.select import path_bits
-from ..core.tree import DraftTree, deepest_selected, gather_nodes, limit_depth, top_k_nodes
+from ..core.tree import DraftTree, deepest_selected, gather_nodes, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
@@ -302,7 +302,7 @@ class BatchedEngine:
         requests = [a.request for a in running]
         drafts = draft_all([a.drafter for a in running], [r.prompt_ids + r.output_ids for r in requests],
                            self.target.device)
-        return [Draft(limit_depth(d.tree, r.max_tokens - len(r.output_ids) - 1), d.drafted)
+        return [Draft(d.tree_within(r.max_tokens - len(r.output_ids) - 1), d.drafted)
                 for d, r in zip(drafts, requests)]
 
     def _candidates(self, running: list[_Active], drafts: list[Draft]) -> tuple[list[Draft], list[DraftTree]]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..core.tree import DraftTree
+from ..core.tree import DraftTree, limit_depth
 from ..core.verify import VerifyResult
 from ..models.cuda_graphs import GraphCaptureError, warn_fallback
 from ..models.eagle3.drafting import Eagle3Draft, draft_eagle3_tree, draft_eagle3_trees
@@ -30,6 +30,13 @@ class Draft:
     def node_hidden(self) -> torch.Tensor | None:
         """[1, N, H] drafter features per node (EAGLE-3), else None; made when a predictor first reads them."""
         return None if self.drafted is None else self.drafted.node_hidden
+
+    def tree_within(self, max_depth: int) -> DraftTree:
+        """The tree without its nodes deeper than max_depth (`limit_depth`): as it is, without reading its
+        depths, when the drafter ran too few forwards to reach past max_depth."""
+        if self.drafted is not None and self.drafted.num_forwards + 1 <= max_depth:
+            return self.tree
+        return limit_depth(self.tree, max_depth)
 
 
 class NoDraft:

@@ -26,7 +26,7 @@ from ..core.placement import ExpertPlacement, unique_per_rank_per_layer
 from ..core.policies import Selection, SelectionPolicy
 from ..core.sampling import SamplingConfig, target_probs
 from ..core.seeded import PositionKeys
-from ..core.tree import DraftTree, deepest_selected, keep_top_valued, limit_depth
+from ..core.tree import DraftTree, deepest_selected, keep_top_valued
 from ..core.values import RequestValues, ValueModel, accepted_nodes, with_values
 from ..core.verify import VerifyResult, verify_tree
 from ..detokenize import StopCut
@@ -216,7 +216,7 @@ class SpecEngine:
         first_guess = drafter.first_guess() if guard is not None and guard.scouts else None  # for its scouts
         t_switch = time.perf_counter() - t0 + t_scout
         draft = drafter.draft(context, device)
-        tree = limit_depth(draft.tree, request.max_tokens - len(request.output_ids) - 1)  # deeper: never emitted
+        tree = draft.tree_within(request.max_tokens - len(request.output_ids) - 1)  # deeper: never emitted
         t_draft = time.perf_counter() - t0 + t_scout
 
         t0 = time.perf_counter()
