@@ -25,10 +25,14 @@
 # Environment: TARGET_MIN (default 65), EAGLE3_MIN (15), HEAD_MIN (4), LR (6e-4, the target's peak),
 # DRAFTER_MIN (60), DRAFTER_LR (1e-3), THREADS (1), FRESH_MIN (90), FRESH_LR (1.5e-3),
 # AUX_COEF (0.03, the weight of the fresh segments' per-layer router balancing loss, averaged over the layers that
-# train), LAYERS (the layers a fresh-cycle segment trains; default the 16 fresh ones), TARGET (report's), REPORTED.
+# train), LAYERS (the layers a fresh-cycle segment trains; default the 16 fresh ones), TARGET (report's), REPORTED,
+# PROFILED (1: leave the cost profile to benchmarks/base_suite.sh, which runs next).
 # The router cycle (2026-12-05) is the same cycle on the source layers whose routing moespec-tiny left near-dead
 # (an expert of layer 1 that no held-out token reached):
 #   LAYERS=0,1,12,13 FRESH_MIN=30 FRESH_LR=5e-4 AUX_COEF=0.1 bash build_scripts/make_base.sh fresh
+#   DRAFTER_MIN=30 bash build_scripts/make_base.sh fresh-drafter
+#   TARGET=runs/base/target_fresh_export bash build_scripts/make_base.sh report   # beside the drafter
+#   REPORTED=1 PROFILED=1 bash build_scripts/make_base.sh fresh-ship && bash benchmarks/base_suite.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 F="--family base"
@@ -73,8 +77,10 @@ report_and_profile() {
   if [[ -z "${REPORTED:-}" ]]; then report; fi  # REPORTED=1: `report` already ran on this target
   # the tree the model ships with (its default: LLM, the CLI and the benchmarks draft the tree its profile names):
   # 6,8,32 over EAGLE's 4,8,32, where half of joint's speculative steps accepted the whole depth 4 (runs/tree)
-  moespec profile --model moespec-base --tree 6,8,32 --repeats 40 --out "$A/cost_profile.json" \
-    | tee benchmarks/results/base/profile.txt
+  if [[ -z "${PROFILED:-}" ]]; then  # PROFILED=1: benchmarks/base_suite.sh profiles it next (its profile stage)
+    moespec profile --model moespec-base --tree 6,8,32 --repeats 40 --out "$A/cost_profile.json" \
+      | tee benchmarks/results/base/profile.txt
+  fi
 }
 
 # What depends on the drafter: its draft vocabulary (the export pruned to 512 tokens), the predictor head on its

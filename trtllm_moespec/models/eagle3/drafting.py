@@ -208,8 +208,7 @@ class _TreeDraft:
             self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64),
                              is_root=True)
             self.frontier = ws.frontier
-            # [steps - 1, topk]: row `step` holds position S + step; the forward gets a row's first F as a tensor
-            self._positions_np = ws.positions(self.start)
+            self._positions_np = ws.positions(self.start)  # as below
         else:
             self.nodes = TreeBuffer(1, capacity, device)
             self.row_hidden = cache.last_hidden.new_empty(1, capacity // topk, H)  # as DraftWorkspace.row_hidden
@@ -221,9 +220,10 @@ class _TreeDraft:
             probs = self._alive_only(probs)
             self.frontier = self.nodes.add_root(ids[:, 0], probs[:, 0])
             self._write_hidden(0, cache.last_hidden[0][None])
+            # [steps - 1, topk]: row `step` holds position S + step (made once for the whole draft; on CPU by numpy)
             self._positions_np = None
             if device.type == "cpu":
-                self.positions = torch.from_numpy(np.repeat(np.arange(self.start, self.start + forwards)[:, None], topk, 1))
+                self._positions_np = np.repeat(np.arange(self.start, self.start + forwards)[:, None], topk, 1)
             else:
                 self.positions = torch.arange(self.start, self.start + forwards, device=device)[:, None].expand(forwards, topk)
         self.stopped = False
@@ -285,7 +285,8 @@ class _TreeDraft:
         return self.masks.frontier(self.rows, self.num_slots)
 
     def position_ids(self, step: int) -> torch.Tensor:
-        """[1, F] the frontier's positions at drafting step `step`: S + step for each row."""
+        """[1, F] the frontier's positions at drafting step `step`: S + step for each row (on CPU a numpy slice
+        handed over as a tensor: ~1 us against ~2-3 for a torch slice)."""
         if self._positions_np is not None:
             return torch.from_numpy(self._positions_np[step:step + 1, :self.width])
         return self.positions[step:step + 1, :self.width]
