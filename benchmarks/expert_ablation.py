@@ -1,6 +1,8 @@
 """Does every expert of a target change its output? Each expert zeroed in turn on the held-out window that
 routes most tokens to it (`training/ablation.ablate_where_routed`), so a rarely routed expert is judged on
-text that reaches it, not on a few fixed windows that may route none of their tokens to it.
+text that reaches it, not on a few fixed windows that may route none of their tokens to it. Its output is its
+logits there (`experts_changing_output`); the window's mean loss (`experts_changing_loss`) can land on the same
+float32 value while single tokens' losses move both ways.
 
     python -m benchmarks.expert_ablation [--target DIR] [--data runs/base/data] [--window-tokens 256] [--json PATH]
 Prints the experts that change nothing (if any) and a summary line (also written to --json).
@@ -18,6 +20,8 @@ def summarize(rows: list) -> dict:
     """The summary of `ablate_where_routed`'s rows."""
     deltas = [abs(r.loss_delta) for r in rows]
     return {"num_experts": len(rows),
+            "experts_changing_output": sum(r.logit_change > 0 for r in rows),
+            "min_logit_change": min(r.logit_change for r in rows),
             "experts_changing_loss": sum(r.loss_delta != 0 for r in rows),
             "experts_changing_top1": sum(r.top1_changed > 0 for r in rows),
             "min_abs_loss_delta": min(deltas),
@@ -42,7 +46,8 @@ def main(argv=None) -> dict:
     for r in rows:
         if r.loss_delta == 0 or r.top1_changed == 0:
             print(f"layer {r.layer:2d} expert {r.expert:2d}: {r.total_pairs} routed pairs, best window {r.window} "
-                  f"({r.window_pairs}): loss {r.loss_delta:+.2e}, top-1 changed at {r.top1_changed} positions")
+                  f"({r.window_pairs}): loss {r.loss_delta:+.2e}, top-1 changed at {r.top1_changed} positions, "
+                  f"logits by up to {r.logit_change:.2e}")
     out = {"target": args.target, "windows": len(windows), "window_tokens": args.window_tokens} | summarize(rows)
     print(json.dumps(out))
     if args.json:

@@ -103,9 +103,10 @@ def test_an_expert_no_fixed_window_reaches_is_judged_on_a_window_that_routes_to_
     counts = routed_counts(model, windows, batch_size=2)  # [W, L, E]
     assert counts.shape == (3, 2, 4) and (counts.sum(-1) == 16 * 2).all()  # every token routes top-2 per layer
     rows = {(r.layer, r.expert): r for r in ablate_where_routed(model, windows, progress=False)}
-    assert len(rows) == 8 and rows[(0, 1)].loss_delta == 0.0 and rows[(0, 1)].top1_changed == 0
+    dead = rows[(0, 1)]
+    assert len(rows) == 8 and dead.loss_delta == 0.0 and dead.top1_changed == 0 and dead.logit_change == 0.0
     for (l, e), r in rows.items():
         assert r.window == int(counts[:, l, e].argmax()) and r.window_pairs == int(counts[r.window, l, e])
         assert r.total_pairs == int(counts[:, l, e].sum())
         if (l, e) != (0, 1) and r.window_pairs:
-            assert r.loss_delta != 0.0
+            assert r.loss_delta != 0.0 and r.logit_change > 0

@@ -104,6 +104,9 @@ class WhereRouted:
     total_pairs: int  # over all windows
     loss_delta: float  # nats/token on that window
     top1_changed: int  # positions of that window whose top-1 prediction changes
+    # the largest change of any logit on that window: what "changes the output" reads (a window's mean loss can
+    # come back to the same float32 value while single tokens' losses move by 0.1 both ways)
+    logit_change: float = 0.0
 
 
 @torch.no_grad()
@@ -114,11 +117,11 @@ def ablate_where_routed(model: torch.nn.Module, windows: torch.Tensor, progress:
     model.eval()
     counts = routed_counts(model, windows)  # [W, L, E]
     best = counts.argmax(0)  # [L, E]
-    intact: dict[int, tuple[float, torch.Tensor]] = {}  # window -> (loss, top-1 [S]) with nothing removed
+    intact: dict[int, tuple[float, torch.Tensor]] = {}  # window -> (loss, logits [S, V]) with nothing removed
 
-    def loss_and_top1(w: int) -> tuple[float, torch.Tensor]:
+    def loss_and_logits(w: int) -> tuple[float, torch.Tensor]:
         logits = model(input_ids=windows[w:w + 1, :-1], use_cache=False).logits[0].float()  # [S, V]
-        return F.cross_entropy(logits, windows[w, 1:]).item(), logits.argmax(-1)
+        return F.cross_entropy(logits, windows[w, 1:]).item(), logits
 
     rows = []
     num_layers, num_experts = best.shape
@@ -126,11 +129,12 @@ def ablate_where_routed(model: torch.nn.Module, windows: torch.Tensor, progress:
                      disable=not progress, mininterval=10):
         w = int(best[l, e])
         if w not in intact:
-            intact[w] = loss_and_top1(w)
+            intact[w] = loss_and_logits(w)
         with _zero_expert(model, l, e):
-            loss, top1 = loss_and_top1(w)
-        rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), loss - intact[w][0],
-                                int((top1 != intact[w][1]).sum())))
+            loss, logits = loss_and_logits(w)
+        base_loss, base = intact[w]
+        rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), loss - base_loss,
+                                int((logits.argmax(-1) != base.argmax(-1)).sum()), float((logits - base).abs().max())))
     return rows
 
 
