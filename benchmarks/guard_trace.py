@@ -23,6 +23,7 @@ VARIANTS = {
     "default": {},
     "off": dict(guard="off", draft_stop=False),
     "stop-only": dict(guard="off", draft_stop=True),
+    "guard-only": dict(draft_stop=False),
     "guard+stop": dict(draft_stop=True),
 }
 

@@ -95,7 +95,7 @@ def top_indices(p, k, out):
     """out[:k] = indices of the k largest of p, largest first, ties to the lower index (insertion into a sorted
     list: a row's top-k in one pass; the drafting step's children and the predictor's experts per layer)."""
     n = 0  # entries of out filled so far
-    floor = p[0] if p.shape[0] else 0.0  # once k are kept: the smallest kept value, what a later entry must beat (one compare each)
+    floor = p[0] if p.shape[0] else 0.0  # once k are kept: the smallest of them, what a later entry must beat
     for d in range(p.shape[0]):
         x = p[d]
         if n < k:
