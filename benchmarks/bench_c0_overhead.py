@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from benchmarks.bench_engine import _Timed
-from benchmarks.bench_step_overhead import PARTS, step_parts
+from benchmarks.bench_step_overhead import parts_text, step_parts
 
 
 def _row(s, forwards_ms: float) -> dict:
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
           f"{r['load_average']:.1f})")
     print(f"  C(0) {c0['step_ms']:.2f} ms - plain {plain['step_ms']:.2f} ms - drafter forwards in the step "
           f"{c0['drafter_forward_ms']:.2f} ms = overhead {r['overhead_ms']:.2f} ms (goal {r['goal_overhead_ms']:.1f})")
-    print("  C(0) parts: " + ", ".join(f"{p.removesuffix('_ms')} {c0[p]:.2f}" for p in PARTS)
+    print("  C(0) parts: " + parts_text(c0)
           + f"; target {c0['target_ms']:.2f} (plain {plain['target_ms']:.2f}, its accept {plain['accept_ms']:.2f})")
     if args.json:
         with open(args.json, "w") as f:

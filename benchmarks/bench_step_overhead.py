@@ -37,6 +37,11 @@ def step_parts(s, forwards_ms: float) -> dict:
             "accept_ms": s.verify_ms - s.target_ms, "commit_ms": s.commit_ms}
 
 
+def parts_text(v: dict) -> str:
+    """The PARTS of one result row as printed: "drafting_bookkeeping 0.70, select_and_layout 0.14, ..."."""
+    return ", ".join(f"{p.removesuffix('_ms')} {v[p]:.2f}" for p in PARTS)
+
+
 def _run(llm, ids: list[int], params) -> dict:
     """One generation with the drafter's forwards timed: per-step ms of the step, its forwards and its parts."""
     drafter = llm.engine.draft_source.drafter
@@ -98,7 +103,7 @@ def main(argv=None) -> dict:
         v = r[name]
         print(f"  {name:9s} step {v['step_ms']:6.2f} ms = target {v['target_ms']:.2f} + drafter forwards "
               f"{v['drafter_forward_ms']:.2f} + overhead {v['overhead_ms']:.2f} ("
-              + ", ".join(f"{p.removesuffix('_ms')} {v[p]:.2f}" for p in PARTS) + ")")
+              + parts_text(v) + ")")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

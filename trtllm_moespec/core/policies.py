@@ -160,7 +160,7 @@ class ArPolicy(SelectionPolicy):
 
     def select(self, tree, experts=None, root_experts=None, target_scores=None) -> Selection:
         empty = torch.full((tree.batch_size, 0), -1, dtype=torch.int64, device=tree.token_ids.device)
-        return _from_prefix(empty, torch.zeros(tree.batch_size, dtype=torch.int64), tree.scores, None)
+        return _from_tree(empty, torch.zeros(tree.batch_size, dtype=torch.int64), tree, None)
 
 
 @dataclass(frozen=True)

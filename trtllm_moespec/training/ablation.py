@@ -117,24 +117,25 @@ def ablate_where_routed(model: torch.nn.Module, windows: torch.Tensor, progress:
     model.eval()
     counts = routed_counts(model, windows)  # [W, L, E]
     best = counts.argmax(0)  # [L, E]
-    intact: dict[int, tuple[float, torch.Tensor]] = {}  # window -> (loss, logits [S, V]) with nothing removed
 
     def loss_and_logits(w: int) -> tuple[float, torch.Tensor]:
         logits = model(input_ids=windows[w:w + 1, :-1], use_cache=False).logits[0].float()  # [S, V]
         return F.cross_entropy(logits, windows[w, 1:]).item(), logits
 
-    rows = []
     num_layers, num_experts = best.shape
-    for l, e in tqdm([(l, e) for l in range(num_layers) for e in range(num_experts)], desc="experts where routed",
-                     disable=not progress, mininterval=10):
+    # window by window, so one window's intact logits ([S, V]) are kept at a time, not one per window used
+    pairs = sorted(((l, e) for l in range(num_layers) for e in range(num_experts)), key=lambda p: int(best[p]))
+    rows, w_intact, intact = [], None, None
+    for l, e in tqdm(pairs, desc="experts where routed", disable=not progress, mininterval=10):
         w = int(best[l, e])
-        if w not in intact:
-            intact[w] = loss_and_logits(w)
+        if w != w_intact:
+            w_intact, intact = w, loss_and_logits(w)
         with _zero_expert(model, l, e):
             loss, logits = loss_and_logits(w)
-        base_loss, base = intact[w]
+        base_loss, base = intact
         rows.append(WhereRouted(l, e, w, int(counts[w, l, e]), int(counts[:, l, e].sum()), loss - base_loss,
                                 int((logits.argmax(-1) != base.argmax(-1)).sum()), float((logits - base).abs().max())))
+    rows.sort(key=lambda r: (r.layer, r.expert))
     return rows
 
 

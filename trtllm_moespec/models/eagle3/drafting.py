@@ -197,7 +197,7 @@ class _TreeDraft:
         self._fused = fused_grow_step() if fusable else None
         if self._fused is not None:
             ws = DraftWorkspace.of(cache, capacity, max_slots, topk, H, forwards)
-            self.nodes, self.row_hidden, self._hidden_np, self._ws = ws.nodes, ws.row_hidden, ws.hidden_np, ws
+            self.nodes, self.row_hidden, self._ws = ws.nodes, ws.row_hidden, ws
             self._mask = ws.mask(self.start)
             h = self.nodes._host
             # the kernel's buffer arguments, fixed for the whole draft
@@ -208,7 +208,7 @@ class _TreeDraft:
             self._fused_grow(root_probs.numpy()[0], cache.last_hidden.numpy()[:1], np.zeros(1, dtype=np.int64),
                              is_root=True)
             self.frontier = ws.frontier
-            self._positions_np = ws.positions(self.start)  # as below
+            self._positions_np = ws.positions(self.start)  # [steps - 1, topk]: row `step` holds S + step
         else:
             self.nodes = TreeBuffer(1, capacity, device)
             self.row_hidden = cache.last_hidden.new_empty(1, capacity // topk, H)  # as DraftWorkspace.row_hidden
