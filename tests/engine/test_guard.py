@@ -292,7 +292,10 @@ class ScriptedGuard:
 
 
 class _Scripted:
-    probing = scouts = False  # never a probe, and no scout
+    scouts = False  # no first guesses to record
+
+    def wants_scout(self, speculate: bool) -> bool:
+        return False  # never a scout
 
     def __init__(self, pattern):
         self.pattern, self.i = pattern, 0

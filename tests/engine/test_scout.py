@@ -82,6 +82,7 @@ class _ScoutScript:
     or stops it. Records what the engine tells it."""
 
     scouts = True
+    scout_top = 1
 
     def __init__(self, script: str):
         self.script, self.i, self.probing = script, 0, False
@@ -94,7 +95,10 @@ class _ScoutScript:
         self.probing = self.step in "YN"
         return self.step != "P"
 
-    def scout(self, hits: list[bool], seconds: float) -> bool:
+    def wants_scout(self, speculate: bool) -> bool:
+        return speculate and self.probing
+
+    def scout(self, hits: list[bool], seconds: float, depth: int = 0) -> bool:
         self.scout_calls.append((hits, seconds))
         return self.step == "Y"
 
@@ -109,7 +113,7 @@ def test_scout_hits_are_the_drafters_guesses_at_the_skipped_steps_and_the_output
     llm = LLM("moespec-tiny", policy="evict", **forced_speculation())
     source = llm.engine.draft_source
     scout = source.scout
-    source.scout = lambda state: time.sleep(0.2) or scout(state)
+    source.scout = lambda state, top=1: time.sleep(0.2) or scout(state, top)
     script = "SPPPPPPNPPYSSSSSSSSSSSS"
     state = _ScoutScript(script)
     llm.engine.guard = type("Scripted", (), {"start": lambda self, greedy=True: state})()
@@ -122,7 +126,7 @@ def test_scout_hits_are_the_drafters_guesses_at_the_skipped_steps_and_the_output
     seq = prompt + out.token_ids
     target, drafter = llm.engine.target, source.drafter
     hidden = target.prefill(target.new_cache(), torch.tensor([seq[:-1]])).hidden
-    guesses = drafter.extend(drafter.new_cache(), torch.tensor([seq[1:]]), hidden, top1=True).tolist()
+    guesses = drafter.extend(drafter.new_cache(), torch.tensor([seq[1:]]), hidden, top=1)[:, 0].tolist()
     first = [len(prompt) + 1 + sum(s.committed_tokens for s in out.steps[:i]) for i in range(len(out.steps))]
 
     def hits(steps):  # the steps' committed tokens (one each: plain steps) against the drafter's guess
@@ -138,3 +142,135 @@ def test_scout_hits_are_the_drafters_guesses_at_the_skipped_steps_and_the_output
         assert state.observed[i][1] < 0.2  # ...the guard's view of them did not
     spec = [i for i, (speculated, _, _) in enumerate(state.observed) if speculated]
     assert [state.observed[i][2] for i in spec] == hits(spec)  # each speculative step's own first guess
+
+
+def _greedy_declined(config: GuardConfig = GuardConfig(probe_every=64, max_probe_every=64, min_spec_steps=1,
+                                                        scout_every=4, winning_probe_overhead=0.0,
+                                                        probe_overhead=1.0)):
+    """A greedy request whose speculative steps committed ~1.4 tokens at 3 plain steps' cost: speculation
+    loses, so it decodes plainly; its blind probe is 64 plain steps away."""
+    s = Guard(config).start(greedy=True)
+    for tokens in (2, 1, 1, 1):
+        s.observe(True, tokens, 0.030)
+    assert not s.speculate()
+    s.observe(False, 1, 0.010)
+    return s
+
+
+def _plain_until_scout(s) -> int:
+    for steps in range(200):
+        if s.wants_scout(s.speculate()):
+            return steps
+        assert not s.probing  # no blind probe comes first
+        s.observe(False, 1, 0.010)
+    raise AssertionError("no scout in 200 plain steps")
+
+
+def test_a_greedy_scout_calls_a_probe_where_the_plain_steps_became_predictable():
+    s = _greedy_declined()
+    assert s.scout_top == 2 and not s.scouts  # greedy: no probe-gating scout, but periodic ones
+    assert _plain_until_scout(s) == 3  # every scout_every (4) plain steps
+    assert not s.scout([True, False, True, False], seconds=0.001, depth=6)  # 4 guesses: too few to judge
+    _plain_until_scout(s)
+    before = s.spec_tokens.value
+    assert not s.scout([True, True, False, True], seconds=0.001, depth=6)  # 5 hits in 8: ~2.6 tokens, 3 needed
+    assert not s.probing and s.num_scout_probes == 0
+    assert s.spec_tokens.value == before  # a scout that calls no probe leaves the estimate alone
+    _plain_until_scout(s)
+    assert s.scout([True] * 8, seconds=0.001, depth=6)  # 13 hits in 16: ~4.1 tokens
+    h = 13 / 16
+    expected = sum(h ** d for d in range(7))
+    assert expected > 4 and s.probing and s.num_scout_probes == 1
+    assert s.spec_tokens.value == expected  # the scout's reading replaces the estimate of the steps before
+    s.observe(True, 4, 0.030)  # the probe wins: speculation resumes
+    assert s.speculate() and not s.probing and len(s.plain_hits) == 0  # a later scout judges fresh plain steps
+
+
+def test_a_greedy_probe_a_scout_called_that_loses_doubles_the_interval_and_scouts_wait_for_the_budget():
+    config = GuardConfig(probe_every=64, max_probe_every=128, min_spec_steps=1, scout_every=2,
+                         winning_probe_overhead=0.0, probe_overhead=0.05)
+    s = _greedy_declined(config)
+    waited = _plain_until_scout(s)
+    assert waited + 1 >= s.budget_steps() > config.scout_every  # the probe budget binds the scouts too
+    assert s.scout([True] * 8, seconds=0.001, depth=4)  # 5 tokens expected
+    s.observe(True, 1, 0.030)  # the probe's step commits one token: judged lost (3 needed) ...
+    assert s.probe_every == 128 and s.memory.probe_win_rate < 0.5
+    assert s.speculate()  # ... but one step does not outweigh the scout's 8 positions
+    for _ in range(3):
+        s.observe(True, 1, 0.030)
+    assert not s.speculate()  # four do (with the hold, GuardConfig.hold)
+    off = _greedy_declined(GuardConfig(**{**config.__dict__, "scout_every": 0}))
+    for _ in range(63):  # no scout before the blind probe
+        assert not off.wants_scout(off.speculate())
+        off.observe(False, 1, 0.010)
+    assert off.speculate() and off.probing
+
+
+def test_greedy_scouts_that_cost_more_than_the_budget_allows_are_spaced_out():
+    """A scout is a drafter forward: where it costs a fifth of a plain step (moespec-tiny) and probes keep
+    losing, scouting every 8 plain steps would cost 2.5% of the time; the interval keeps it within budget."""
+    config = GuardConfig(probe_every=64, max_probe_every=64, min_spec_steps=1, scout_every=8,
+                         winning_probe_overhead=0.0, probe_overhead=0.005)
+    s = _greedy_declined(config)
+    assert s.scout_interval() == 8  # no scout measured yet
+    s.scout([], seconds=0.002, depth=6)  # a fifth of the 10 ms plain step
+    assert s.scout_interval() == math.ceil(0.002 / (0.005 * 0.010)) == 40
+    cheap = _greedy_declined(GuardConfig(**{**config.__dict__, "probe_overhead": 0.1}))
+    cheap.scout([], seconds=0.002, depth=6)
+    assert cheap.scout_interval() == 8
+
+
+def test_scout_every_is_validated():
+    import pytest
+
+    with pytest.raises(ValueError, match="scout_every"):
+        GuardConfig(scout_every=-1)
+
+
+def test_greedy_scout_hits_are_the_committed_tokens_rank_among_the_drafters_top_guesses_and_the_output_stays_exact():
+    """A greedy request's plain steps with a scout ("G": it calls no probe, "H": it does): each hit says whether
+    the committed token was among the drafter's top 2 guesses after the committed prefix, as one causal drafter
+    forward over the whole text gives them; the text is plain decoding's."""
+    llm = LLM("moespec-tiny", policy="evict", **forced_speculation())
+    source = llm.engine.draft_source
+    calls = []
+    scout = source.scout
+    source.scout = lambda state, top=1: calls.append(top) or scout(state, top)
+
+    class Greedy(_ScoutScript):
+        scout_top = 2
+
+        def speculate(self) -> bool:
+            self.step = self.script[min(self.i, len(self.script) - 1)]
+            self.i += 1
+            return self.step == "S"
+
+        def wants_scout(self, speculate: bool) -> bool:
+            return self.step in "GH"
+
+        def scout(self, hits, seconds, depth=0):
+            self.scout_calls.append((hits, depth))
+            return self.step == "H"
+
+    state = Greedy("SPPPGPPPPHSSSSSSSSSSSS")
+    llm.engine.guard = type("Scripted", (), {"start": lambda self, greedy=True: state})()
+    prompt = llm.encode(["def fib(n):\n"])[0]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == LLM("moespec-tiny", policy="ar").generate([prompt], params)[0].token_ids
+    assert calls == [2, 2]
+
+    seq = prompt + out.token_ids
+    target, drafter = llm.engine.target, source.drafter
+    hidden = target.prefill(target.new_cache(), torch.tensor([seq[:-1]])).hidden
+    top2 = drafter.extend(drafter.new_cache(), torch.tensor([seq[1:]]), hidden, top=2).tolist()
+    first = [len(prompt) + 1 + sum(s.committed_tokens for s in out.steps[:i]) for i in range(len(out.steps))]
+
+    def hits(steps):
+        return [seq[first[i]] in top2[first[i] - 2] for i in steps]
+
+    (hits_g, depth_g), (hits_h, depth_h) = state.scout_calls
+    assert hits_g == hits(range(1, 4)) and hits_h == hits(range(4, 9))  # the plain steps since the last catch-up
+    assert depth_g == depth_h == source.steps
+    assert [s.speculated for s in out.steps[:11]] == [True] + [False] * 8 + [True] * 2  # "H" speculates at once
+    assert [s.scouted for s in out.steps[:11]] == [False] * 4 + [True] + [False] * 6

@@ -193,14 +193,15 @@ class Eagle3Source:
             self._extend(cache, ids, hidden)
 
     def _extend(self, cache, token_ids: torch.Tensor, target_hidden: torch.Tensor,
-                top1: bool = False) -> torch.Tensor | None:
+                top: int = 0) -> torch.Tensor | None:
         """Append drafter positions through the static runner when the extension fits its buckets (with
-        `top1`: each new position's most likely next token, as `Eagle3Drafter.extend` gives it)."""
+        `top` > 0: each new position's `top` most likely next tokens, [n, top], as `Eagle3Drafter.extend`
+        gives them)."""
         runner, drafter = self.extend_runner, self.drafter
         token_ids = token_ids.to(drafter.lm_head.weight.device)
         n = token_ids.shape[1]
         if runner is None or n == 0 or n > runner.max_tokens or cache.kv is None:
-            return drafter.extend(cache, token_ids, target_hidden, top1)
+            return drafter.extend(cache, token_ids, target_hidden, top)
         S, a = cache.num_tokens, drafter.midlayer.self_attn
         kv = cache.reserve(S + runner.bucket(n), a.num_kv_heads, a.head_dim, drafter.lm_head.weight.dtype,
                            drafter.lm_head.weight.device)
@@ -210,10 +211,10 @@ class Eagle3Source:
             # the warm-ups wrote at most these positions' keys, which the eager extension rewrites
             warn_fallback(e.__cause__ or e, "drafter's extension forward")
             self.extend_runner = None
-            return drafter.extend(cache, token_ids, target_hidden, top1)
+            return drafter.extend(cache, token_ids, target_hidden, top)
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
-        return drafter.top1_target_ids(out.logits[0]) if top1 else None
+        return drafter.top_target_ids(out.logits[0], top) if top else None
 
     def defer(self, state: "Eagle3State", result: VerifyResult, root_hidden: torch.Tensor) -> None:
         """A plain step (nothing drafted, root only verified): remember (bonus token, root hidden
@@ -241,19 +242,21 @@ class Eagle3Source:
         logits = state.cache.last_logits
         return None if logits is None else int(self.drafter.top1_target_ids(logits)[0])
 
-    def scout(self, state: "Eagle3State") -> list[bool]:
+    def scout(self, state: "Eagle3State", top: int = 1) -> list[bool]:
         """`catch_up` for one request, reading what a depth-1 draft would have done at each plain step it
-        skipped: hits[i] is whether the drafter's first guess equalled the token the target committed
-        there (its guess before the step, then at each caught-up position). A deterministic draft d is
-        accepted with probability p(d) (core/verify.py), and 1[x == d] with x the target's committed token
-        is an unbiased sample of it at any temperature: the shadow of speculating, for no target forward."""
+        skipped: hits[i] is whether the token the target committed there was among the drafter's `top`
+        first guesses (its guesses before the step, then at each caught-up position). With top = 1: a
+        deterministic draft d is accepted with probability p(d) (core/verify.py), and 1[x == d] with x the
+        target's committed token is an unbiased sample of it at any temperature: the shadow of speculating,
+        for no target forward. Greedy scouts read the top 2 (engine/guard.py `GREEDY_SCOUT_TOP`)."""
         if not state.pending_ids:
             return []
-        before = self.first_guess(state)
+        logits = state.cache.last_logits
+        before = None if logits is None else self.drafter.top_target_ids(logits, top)[0].tolist()
         ids, hidden = state.take_pending()  # the skipped steps' committed tokens [n] and root hiddens [n, 3H]
-        after = self._extend(state.cache, ids[None], hidden[None], top1=True).tolist()  # guesses of ids[1:], the next
+        after = self._extend(state.cache, ids[None], hidden[None], top=top).tolist()  # guesses of ids[1:], the next
         guesses = ([] if before is None else [before]) + after[:-1]
-        return [g == t for g, t in zip(guesses, ids.tolist()[len(ids) - len(guesses):])]
+        return [t in g for g, t in zip(guesses, ids.tolist()[len(ids) - len(guesses):])]
 
 
 def _should_expand(rule) -> Callable[[DraftTree, torch.Tensor], bool]:
@@ -371,11 +374,16 @@ class RequestDrafter:
         and plain decoding cannot."""
         return hasattr(self.source, "scout")
 
-    def scout(self) -> list[bool]:
-        """Catch up on the skipped plain steps (starting the drafter if need be) and return whether its
-        first guess hit at each (`Eagle3Source.scout`)."""
+    def scout(self, top: int = 1) -> list[bool]:
+        """Catch up on the skipped plain steps (starting the drafter if need be) and return whether the
+        committed token was among its `top` first guesses at each (`Eagle3Source.scout`)."""
         self._start()
-        return self.source.scout(self.state)
+        return self.source.scout(self.state, top)
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft this source proposes (its drafting steps; 0: unknown)."""
+        return int(getattr(self.source, "steps", 0))
 
     def first_guess(self) -> int | None:
         """The drafter's top depth-1 guess for the next token (None: a source without one)."""

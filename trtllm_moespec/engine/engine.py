@@ -200,11 +200,11 @@ class SpecEngine:
         t_step = time.perf_counter()
         speculate = guard is None or guard.speculate()  # k = 0 decided before paying for drafting
         t_scout = 0.0
-        if speculate and guard is not None and guard.probing and guard.scouts and drafter.scouts:
+        if guard is not None and drafter.scouts and guard.wants_scout(speculate):
             t0 = time.perf_counter()
-            hits = drafter.scout()  # the catch-up, reading the drafter's guesses at the skipped steps
+            hits = drafter.scout(guard.scout_top)  # the catch-up, reading the drafter's guesses at the skipped steps
             t_scout = time.perf_counter() - t0
-            speculate = guard.scout(hits, t_scout)
+            speculate = guard.scout(hits, t_scout, drafter.depth)
         if not (speculate and self.policy.drafts):
             return self._plain_step(request, cache, drafter, guard, speculate, t_step, t_scout)
         context = request.prompt_ids + request.output_ids

@@ -50,9 +50,22 @@ It is off by default because side by side it did not make T=1 faster: on moespec
 data sets, interleaved) it cut the speculative steps, all losing, from 80 to 13 and from 44 to 36 of ~5650-8580
 in two runs, at 0.99x and 0.98x the speed without it (within those cells' noise, but on the same side twice):
 where the guard's probes already cost under ~1% of the time, a scout (~8-11 ms, a request's first including
-the drafter's prompt prefill) saves about what it costs. Greedy requests never scout: there a step whose first
-guess misses still commits ~3.4 tokens (the argmax is another depth-1 draft), and scouting cut T=0's
-speculative steps from 68% to 27%.
+the drafter's prompt prefill) saves about what it costs.
+
+Greedy requests scout by default, differently (`GuardConfig.scout_every`, `GuardState.wants_scout`): while
+one decodes plainly, every 8 plain steps once the probe budget would allow a probe, the drafter catches up
+on the skipped steps (which the next speculative step needs anyway) and reads whether each committed token
+was among its top 2 first guesses. The hit rate h of the plain steps since the last speculative one (their
+latest 16) predicts a step's tokens as sum(h^d, d = 0..D) over the drafter's depth D; where that pays, a
+probe runs at once, starting from that prediction. (Top-1 hits would not do: at T=0 a step whose first
+guess misses still commits ~3.4 tokens, the argmax being another depth-1 draft, and gating greedy probes on
+them cut T=0's speculative steps from 68% to 27%.) Blind probes alone failed on moespec-base's GSM8K
+answers: an opening of one-token steps sent a request plain, and single-step probes, which commit one token
+now and then even where speculation pays, kept losing while their interval doubled past the stretches that
+pay (benchmarks/results/base/guard_trace_gsm8k.txt: 119 tokens/s against 131 without the guard). Side by
+side (joint, 8 prompts x 3 data sets, 128 tokens, interleaved: benchmarks/results/base/guard_scout_t0.txt):
+speculative steps 37 / 56 / 96% -> 72 / 86 / 100% (GSM8K / MT-Bench / HumanEval), 73.6 -> 89.3 tokens/s
+on GSM8K (the guard off: 91.5), MT-Bench and HumanEval within noise.
 
 `hold` (0.15) adds hysteresis to greedy requests: one that is speculating goes on until speculation loses by
 more than that fraction, one decoding plainly resumes only where speculation wins (sampled requests keep the
@@ -93,6 +106,18 @@ PROBE_WIN_WEIGHT = 0.25
 # the probe goes on.
 SCOUT_WINDOW = 64
 SCOUT_MIN = 8
+
+# A greedy scout counts a hit where the committed token was among the drafter's top 2 first guesses: the tree
+# verifies more than the top-1 chain, and greedy steps often accept through a second child (moespec-base, joint,
+# 24 prompts x 128 tokens: the hit rate of the 16 tokens before a stretch, turned into tokens per step as
+# i.i.d. hits along the tree's depth, correlated 0.66 / 0.75 / 0.72 / 0.70 with what the stretch's speculative
+# steps committed for the top 1 / 2 / 3 / 8). It judges on the request's latest this many plain steps.
+GREEDY_SCOUT_TOP = 2
+GREEDY_SCOUT_WINDOW = 16
+
+# Weight of a blind probe's step in the request's tokens-per-step estimate: rare news, let it move the
+# estimate enough to re-enable speculation.
+PROBE_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -145,6 +170,14 @@ class GuardConfig:
     # ~9 ms of a probe's ~15 ms over a plain step, so probes cost ~1.2% of the time against the 0.5% budgeted. Greedy
     # requests keep the step-only price: their probes win often, and their budget is what the wins have earned.
     price_catch_up: bool = True
+    # Greedy requests decoding plainly scout every this many plain steps once the probe budget allows a probe
+    # (0: never): the drafter catches up on the skipped steps, which the next speculative step needs anyway,
+    # reading whether each committed token was among its top 2 first guesses, and where that hit rate predicts
+    # speculation pays, a probe runs at once instead of waiting for the doubling interval (`GuardState.scout`).
+    # Blind probes are single speculative steps, which commit 1 token now and then even where speculation pays:
+    # on moespec-base's GSM8K answers (an opening of one-token steps, then long predictable stretches) they kept
+    # finding losses and the interval grew past the stretches that pay.
+    scout_every: int = 8
 
     def __post_init__(self) -> None:
         if not (isinstance(self.probe_every, int) and 1 <= self.probe_every <= self.max_probe_every):
@@ -161,6 +194,8 @@ class GuardConfig:
             raise ValueError(f"winning_probe_overhead must lie in [0, 1], got {self.winning_probe_overhead}")
         if not (isinstance(self.min_spec_steps, int) and self.min_spec_steps >= 1):
             raise ValueError(f"min_spec_steps must be an integer >= 1, got {self.min_spec_steps!r}")
+        if not (isinstance(self.scout_every, int) and self.scout_every >= 0):
+            raise ValueError(f"scout_every must be an integer >= 0, got {self.scout_every!r}")
         if not (isinstance(self.prior_window, int) and self.prior_window >= 0):
             raise ValueError(f"prior_window must be an integer >= 0, got {self.prior_window!r}")
 
@@ -265,6 +300,12 @@ class GuardState:
         self.num_scouts_stopped = 0  # probes that their scout stopped
         self.declined = False  # the last verdict was that speculation loses (the hold no longer applies)
         self.first_hits: deque[bool] = deque(maxlen=SCOUT_WINDOW)  # this request's latest first-guess hits
+        # Greedy scouts: plain steps since the last scout or speculative step, and the top-2 hits of the plain
+        # steps since the last speculative one (their latest GREEDY_SCOUT_WINDOW).
+        self.since_scout = 0
+        self.plain_hits: deque[bool] = deque(maxlen=GREEDY_SCOUT_WINDOW)
+        self.num_scout_probes = 0  # probes a greedy scout called
+        self.scout_called = False  # the pending probe is one a greedy scout called
 
     def pays(self) -> bool | None:
         """Does speculation beat plain decoding on the current estimates? None while unknown (the plain
@@ -293,32 +334,90 @@ class GuardState:
 
     def probe_interval(self) -> int:
         """Plain steps between probes: the doubling `probe_every`, or more where a losing probe costs
-        more than the overhead budget of that many plain steps (`probe_overhead`, or
-        `winning_probe_overhead` x the probe win rate when larger)."""
+        more than the overhead budget of that many plain steps (`budget_steps`)."""
+        return max(self.probe_every, self.budget_steps())
+
+    def budget_steps(self) -> int:
+        """The fewest plain steps between probes that keep a losing probe's cost within the overhead budget
+        of those steps (`probe_overhead`, or `winning_probe_overhead` x the probe win rate when larger)."""
         plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
         if not (plain > 0 and loss > 0):
-            return self.probe_every
+            return 0
         m = self.memory
         if self.config.price_catch_up and not self.greedy and not self.scouts and m.catch_up_s.known:
             loss += m.catch_up_s.value  # what the probe pays before its step (a scout prices its own below)
         if self.scouts and m.scout_s.known:  # a probe is a scout, and a speculative step when it passes
             loss = m.scout_s.value + m.scout_pass_rate * loss
+        return self._steps_within_budget(loss)
+
+    def _steps_within_budget(self, seconds: float) -> int:
+        """The fewest plain steps whose overhead budget covers `seconds` (at most MAX_PROBE_WAIT)."""
         budget = self.config.probe_overhead
         if self.greedy:  # at T > 0 a probe's win is mostly one lucky draw: no relaxation for it
             budget = max(budget, self.config.winning_probe_overhead * self.memory.probe_win_rate)
-        steps = math.ceil(round(loss / (budget * plain), 9))  # (rounding: 100.000...01 is 100)
-        return max(self.probe_every, min(steps, MAX_PROBE_WAIT))
+        steps = math.ceil(round(seconds / (budget * self.plain_s.value), 9))  # (rounding: 100.000...01 is 100)
+        return min(steps, MAX_PROBE_WAIT)
 
-    def scout(self, first_hits: list[bool], seconds: float) -> bool:
+    def scout_interval(self) -> int:
+        """Plain steps between a greedy request's scouts: `scout_every`, or more where a scout's seconds (a
+        drafter forward: on moespec-tiny a fifth of a plain step) exceed the overhead budget of that many."""
+        every, scout_s = self.config.scout_every, self.memory.scout_s
+        if not (scout_s.known and self.plain_s.value > 0):
+            return every
+        return max(every, self._steps_within_budget(scout_s.value))
+
+    @property
+    def scout_top(self) -> int:
+        """How many of the drafter's first guesses a scout's hit counts (1 for sampled requests, whose hits
+        sample the acceptance of a depth-1 draft)."""
+        return GREEDY_SCOUT_TOP if self.greedy else 1
+
+    def wants_scout(self, speculate: bool) -> bool:
+        """Should the engine scout before this step, given its decision `speculate`? A sampled request's
+        probe starts with one (opt-in, `GuardConfig.scout`); a greedy request decoding plainly scouts every
+        `scout_every` plain steps once the probe budget would allow a probe (`GuardConfig.scout_every`)."""
+        if not self.greedy:
+            return speculate and self.probing and self.scouts
+        return (not speculate and self.config.scout_every > 0 and self.declined
+                and self.since_scout >= self.scout_interval() and self.memory.since_spec >= self.budget_steps())
+
+    def scout(self, hits: list[bool], seconds: float, depth: int = 0) -> bool:
+        """What the drafter's catch-up read (`hits`: was each skipped step's committed token among its
+        `scout_top` first guesses) decides: does this step speculate? `seconds`: the scout's; `depth`: the
+        drafter's deepest draft (greedy scouts). Sampled requests: `_scout_probe`; greedy: `_scout_greedy`."""
+        self.memory.scout_s.update(seconds, self.config.weight, TIME_CLIP)
+        return self._scout_greedy(hits, depth) if self.greedy else self._scout_probe(hits)
+
+    def _scout_greedy(self, hits: list[bool], depth: int) -> bool:
+        """A greedy request decoding plainly: the hit rate h of its latest plain steps predicts a speculative
+        step's tokens as sum(h^d, d = 0..depth) (hits along the tree's depth as independent). Where that pays,
+        the prediction replaces the request's estimate (which holds the steps before the plain stretch) and a
+        probe runs now (True). The probe's step then counts at the usual weight (one step's tokens are noisy;
+        the scout read up to 16 positions), and the probe is judged won where that step paid by itself, so the
+        probe win rate, which sets the overhead budget, tracks how often scouts call right."""
+        self.since_scout = 0
+        self.plain_hits.extend(hits)
+        if len(self.plain_hits) < SCOUT_MIN or depth < 1:
+            return False
+        h = sum(self.plain_hits) / len(self.plain_hits)
+        expected = sum(h ** d for d in range(depth + 1))
+        if not speculation_pays(expected, self.spec_s.value, self.plain_s.value, self.config.margin):
+            return False
+        self.spec_tokens.update(expected, 1.0)
+        self.scout_called = True
+        self.probing = True
+        self.num_scout_probes += 1
+        return True
+
+    def _scout_probe(self, first_hits: list[bool]) -> bool:
         """A probe's first stage: `first_hits`, whether the drafter's first guess hit at each plain step it
         just caught up on (`Eagle3Source.scout`), joins the request's latest ones, and their hit rate h
         predicts a speculative step's tokens, h x tokens_hit + (1 - h) x tokens_miss (the engine's means
         over speculative steps whose first guess hit and missed). True: that pays, or cannot be judged yet
         (too few guesses, or no speculative step of either kind measured), and the probe's speculative
-        step runs. False: the probe is over, judged lost at the price of the scout's `seconds`."""
+        step runs. False: the probe is over, judged lost at the price of the scout (`GuardMemory.scout_s`)."""
         self.first_hits.extend(first_hits)
         m = self.memory
-        m.scout_s.update(seconds, self.config.weight, TIME_CLIP)
         expected = self.expected_tokens()
         passes = expected is None or speculation_pays(expected, self.spec_s.value, self.plain_s.value,
                                                       self.config.margin)
@@ -353,8 +452,8 @@ class GuardState:
         catch_up_s: the drafter's catch-up before a speculative step, kept out of `seconds`; read for
         speculative steps only)."""
         w, mem = self.config.weight, self.memory
-        if self.probing:
-            w = max(w, 0.5)  # a probe is rare news: let it move the estimate enough to re-enable speculation
+        if self.probing and not self.scout_called:
+            w = max(w, PROBE_WEIGHT)
         if speculated:
             cost = seconds if self.config.measured else self._profiled_spec_s(verified_tokens)
             self.spec_tokens.update(committed_tokens, w)
@@ -369,14 +468,20 @@ class GuardState:
                 (mem.tokens_hit if first_hit else mem.tokens_miss).update(committed_tokens, self.config.weight)
             if self.probing:
                 self.num_probes += 1
-                self._judge_probe(won=bool(self.pays()))
+                won = self.pays() if not self.scout_called else speculation_pays(
+                    committed_tokens, self.spec_s.value, self.plain_s.value, self.config.margin)
+                self._judge_probe(won=bool(won))
+            self.scout_called = False
             mem.since_spec = 0
             self.since_plain += 1
+            self.since_scout = 0
+            self.plain_hits.clear()  # a greedy scout judges the plain steps since
         else:
             cost = seconds if self.config.measured else float(self.guard.plain_step_s)
             self.plain_s.update(cost, w, TIME_CLIP)
             mem.plain_s.update(cost, w, TIME_CLIP)
             mem.since_spec += 1
+            self.since_scout += 1
             self.since_plain = 0
             self.num_plain += 1
         self.probing = False

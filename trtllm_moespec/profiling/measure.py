@@ -33,10 +33,13 @@ PLAIN = -1  # the k of a plain step (no drafting) in the interleaved rounds
 class ForcedGuard:
     """The engine's speculate-or-not hook, forced: plain exactly when the forced k is PLAIN."""
 
-    probing = scouts = False  # no probes, so no scouts
+    scouts = False  # no first guesses to record
 
     def __init__(self, policy: "ForcedBudget"):
         self.policy = policy
+
+    def wants_scout(self, speculate: bool) -> bool:
+        return False  # no probes, so no scouts
 
     def start(self, greedy: bool = True) -> "ForcedGuard":
         return self

@@ -331,15 +331,16 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def extend(self, cache: Eagle3Cache, token_ids: torch.Tensor, target_hidden: torch.Tensor,
-               top1: bool = False) -> torch.Tensor | None:
+               top: int = 0) -> torch.Tensor | None:
         """Append n drafter positions: token_ids [1, n] paired with target_hidden [1, n, 3*H_target]
         (hidden of the target position *before* each token). Updates the last-position outputs. With
-        `top1`, returns each new position's most likely next token as a target id, [n] (else None)."""
+        `top` > 0, returns each new position's `top` most likely next tokens as target ids, [n, top]
+        (else None)."""
         if token_ids.dim() != 2 or token_ids.shape[0] != 1 or target_hidden.shape[:2] != token_ids.shape:
             raise ValueError(f"extend expects token_ids [1, n] and target_hidden [1, n, 3H], got "
                              f"{tuple(token_ids.shape)} and {tuple(target_hidden.shape)}")
         if token_ids.shape[1] == 0:
-            return token_ids.new_zeros(0) if top1 else None
+            return token_ids.new_zeros(0, top) if top else None
         S, n = cache.num_tokens, token_ids.shape[1]
         a = self.midlayer.self_attn
         kv = cache.reserve(S + n, a.num_kv_heads, a.head_dim, self.lm_head.weight.dtype, self.lm_head.weight.device)
@@ -347,11 +348,15 @@ class Eagle3Drafter(nn.Module):
         out = self.forward(target_hidden, input_ids=token_ids.to(self.lm_head.weight.device), cache_kv=kv, cache_start=S)
         cache.num_tokens = S + n
         cache.last_logits, cache.last_hidden = out.logits[:, -1], out.hidden[:, -1]
-        return self.top1_target_ids(out.logits[0]) if top1 else None
+        return self.top_target_ids(out.logits[0], top) if top else None
 
     def top1_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [n, V_draft] -> [n] the target id of each row's most likely draft token."""
         return self.to_target_ids(logits.argmax(-1))
+
+    def top_target_ids(self, logits: torch.Tensor, top: int) -> torch.Tensor:
+        """logits [n, V_draft] -> [n, top] the target ids of each row's `top` most likely draft tokens."""
+        return self.to_target_ids(logits.topk(top, dim=-1).indices)
 
     @torch.no_grad()
     def extend_packed(self, caches: list[Eagle3Cache], token_ids: list[torch.Tensor],
