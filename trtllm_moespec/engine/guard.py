@@ -111,7 +111,8 @@ SCOUT_MIN = 8
 # verifies more than the top-1 chain, and greedy steps often accept through a second child (moespec-base, joint,
 # 24 prompts x 128 tokens: the hit rate of the 16 tokens before a stretch, turned into tokens per step as
 # i.i.d. hits along the tree's depth, correlated 0.66 / 0.75 / 0.72 / 0.70 with what the stretch's speculative
-# steps committed for the top 1 / 2 / 3 / 8). It judges on the request's latest this many plain steps.
+# steps committed for the top 1 / 2 / 3 / 8: `python -m benchmarks.scout_calibration`). It judges on the request's
+# latest this many plain steps.
 GREEDY_SCOUT_TOP = 2
 GREEDY_SCOUT_WINDOW = 16
 
