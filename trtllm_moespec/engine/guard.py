@@ -63,9 +63,11 @@ them cut T=0's speculative steps from 68% to 27%.) Blind probes alone failed on 
 answers: an opening of one-token steps sent a request plain, and single-step probes, which commit one token
 now and then even where speculation pays, kept losing while their interval doubled past the stretches that
 pay (benchmarks/results/base/guard_trace_gsm8k.txt: 119 tokens/s against 131 without the guard). Side by
-side (joint, 8 prompts x 3 data sets, 128 tokens, interleaved: benchmarks/results/base/guard_scout_t0.txt):
-speculative steps 37 / 56 / 96% -> 72 / 86 / 100% (GSM8K / MT-Bench / HumanEval), 73.6 -> 89.3 tokens/s
-on GSM8K (the guard off: 91.5), MT-Bench and HumanEval within noise.
+side in two runs (joint, 8 prompts x 3 data sets, 128 tokens, interleaved: benchmarks/results/base/
+guard_scout_t0.txt, then with the variants' order reversed, guard_scout_t0_rev.txt): speculative steps 37 / 56 /
+96% -> 72 / 86 / 100% and 79 / 63 / 96% -> 92 / 82 / 98% (GSM8K / MT-Bench / HumanEval); on GSM8K 73.6 -> 89.3
+tokens/s in the first run (the guard off: 91.5), within the second's noise. Without scouts the guard's verdicts
+rest on step times alone, so how much it declines varies from run to run (GSM8K: 37% and 79% speculative).
 
 `hold` (0.15) adds hysteresis to greedy requests: one that is speculating goes on until speculation loses by
 more than that fraction, one decoding plainly resumes only where speculation wins (sampled requests keep the
