@@ -23,24 +23,18 @@ TOPS = (1, 2, 3, 4, 8)
 
 
 def committed_ranks(llm, prompt: list[int], output: list[int]) -> np.ndarray:
-    """[len(output)] the rank of each output token among the drafter's guesses after the prefix before it
-    (drafter position t pairs the target's hidden at t with token t+1 and predicts token t+2; tokens outside
-    the draft vocabulary rank last)."""
+    """[len(output)] the rank of each output token among the drafter's guesses after the prefix before it, as
+    a scout's catch-up reads them (`Eagle3Drafter.extend`; drafter position t pairs the target's hidden at t
+    with token t+1 and guesses token t+2); max(TOPS) for a token outside its top max(TOPS)."""
     target, drafter = llm.target, llm.engine.draft_source.drafter
     seq = torch.tensor([prompt + output])
     with torch.no_grad():
         hidden = target.prefill(target.new_cache(), seq[:, :-1]).hidden
-        a, n = drafter.midlayer.self_attn, seq.shape[1] - 1
-        kv = drafter.new_cache().reserve(n, a.num_kv_heads, a.head_dim, drafter.lm_head.weight.dtype, seq.device)
-        out = drafter.forward(hidden, input_ids=seq[:, 1:], cache_kv=kv, cache_start=0)  # every position's logits
-    logits = out.logits[0].float()  # [T - 1, V_draft]
-    vocab = drafter.draft_vocab_target_ids().tolist()
-    index = {t: d for d, t in enumerate(vocab)}
+        guesses = drafter.extend(drafter.new_cache(), seq[:, 1:], hidden, top=max(TOPS)).tolist()  # [T - 1, top]
     ranks = []
     for j, token in enumerate(output):
-        row = logits[len(prompt) + j - 2]
-        d = index.get(token)
-        ranks.append(len(vocab) if d is None else int((row > row[d]).sum()))
+        top = guesses[len(prompt) + j - 2]
+        ranks.append(top.index(token) if token in top else len(top))
     return np.array(ranks)
 
 

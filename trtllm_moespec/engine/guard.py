@@ -176,10 +176,8 @@ class GuardConfig:
     # Greedy requests decoding plainly scout every this many plain steps once the probe budget allows a probe
     # (0: never): the drafter catches up on the skipped steps, which the next speculative step needs anyway,
     # reading whether each committed token was among its top 2 first guesses, and where that hit rate predicts
-    # speculation pays, a probe runs at once instead of waiting for the doubling interval (`GuardState.scout`).
-    # Blind probes are single speculative steps, which commit 1 token now and then even where speculation pays:
-    # on moespec-base's GSM8K answers (an opening of one-token steps, then long predictable stretches) they kept
-    # finding losses and the interval grew past the stretches that pay.
+    # speculation pays, a probe runs at once instead of waiting for the doubling interval (`GuardState.scout`;
+    # why and what it measured: the module docstring).
     scout_every: int = 8
 
     def __post_init__(self) -> None:
@@ -381,7 +379,9 @@ class GuardState:
         `scout_every` plain steps once the probe budget would allow a probe (`GuardConfig.scout_every`)."""
         if not self.greedy:
             return speculate and self.probing and self.scouts
-        return (not speculate and self.config.scout_every > 0 and self.declined
+        # (scout_interval() >= scout_every: the cheap test first, most plain steps end there)
+        every = self.config.scout_every
+        return (not speculate and every > 0 and self.declined and self.since_scout >= every
                 and self.since_scout >= self.scout_interval() and self.memory.since_spec >= self.budget_steps())
 
     def scout(self, hits: list[bool], seconds: float, depth: int = 0) -> bool:
