@@ -92,13 +92,13 @@ def test_plain_steps_defer_the_drafter_and_stay_exact(checkpoints, references_qw
 
 
 class _Scripted(GoodputGuard):
-    """A guard that speculates on the listed engine steps only (the schedule is the test's input)."""
+    """A guard that speculates on the listed engine steps only (the schedule is the test's input; no scouts)."""
 
     def __init__(self, speculative_steps: set[int]):
-        super().__init__()
+        super().__init__(scout_every=0)
         self.speculative_steps, self.step = speculative_steps, 0
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, greedy: bool = False) -> bool:
         self.step += 1
         return self.step in self.speculative_steps
 
@@ -205,7 +205,7 @@ class _Recording(_Scripted):
         super().__init__(speculative_steps)
         self.records: list[tuple[int, bool, int, float]] = []
 
-    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float, greedy: bool = False) -> None:
         self.records.append((batch_size, speculated, tokens, seconds))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from trtllm_moespec.core.cost import ExpertCostModel
@@ -159,3 +161,90 @@ def test_a_slow_first_speculative_step_does_not_send_the_batch_to_plain_decoding
         naive.record(1, True, 3, seconds)
     naive.record(1, False, 1, 0.013)
     assert not naive.speculate(1)
+
+
+def _greedy_batch_losing(**kwargs) -> GoodputGuard:
+    """A greedy batch of 2 where speculation (3 tokens a step at 3x a plain step's time) lost to plain decoding
+    (2 tokens a step): the verdict is plain, every rule of greedy batches on."""
+    guard = GoodputGuard(**{**dict(alpha=1.0, probe_every=4, max_probe_every=64, min_spec_steps=1), **kwargs})
+    guard.record(2, True, tokens=3, seconds=0.03, greedy=True)  # 100 tokens/s
+    guard.record(2, False, tokens=2, seconds=0.01, greedy=True)  # 200 tokens/s
+    assert guard.speculate(2, greedy=True) is False
+    return guard
+
+
+def test_a_greedy_batch_holds_speculation_until_it_loses_by_more_than_the_hold():
+    for greedy, kept in ((True, True), (False, False)):
+        guard = GoodputGuard(alpha=1.0, min_spec_steps=1)  # hold 0.15
+        guard.record(2, True, 6, 0.03, greedy=greedy)  # 200 tokens/s
+        guard.record(2, False, 2, 0.01, greedy=greedy)  # 200 tokens/s: a tie goes to speculation
+        assert guard.speculate(2, greedy=greedy)
+        guard.record(2, True, 5.4, 0.03, greedy=greedy)  # 180 tokens/s: 10% behind plain decoding
+        assert guard.speculate(2, greedy=greedy) is kept  # held only for a greedy batch
+    plain = _greedy_batch_losing()  # a greedy batch decoding plainly resumes only where speculation wins
+    plain.record(2, True, 5.4, 0.03, greedy=True)  # 180 tokens/s: within the hold, but behind plain's 200
+    assert not plain.speculate(2, greedy=True)
+    held = GoodputGuard(alpha=1.0, min_spec_steps=1)
+    held.record(2, True, 6, 0.03, greedy=True)
+    held.record(2, False, 2, 0.01, greedy=True)
+    held.record(2, True, 4.8, 0.03, greedy=True)  # 160 tokens/s: 20% behind, past the hold
+    assert not held.speculate(2, greedy=True)
+
+
+def test_a_probe_is_priced_by_the_tokens_it_commits_and_greedy_probes_by_the_win_rate():
+    """A losing probe's extra time is its seconds beyond what the winner needs for its tokens: 0.03 - 3 / 200 s.
+    A greedy batch's budget for probing speculation is 10% x the probe win rate (0.5 at first) where that beats
+    the fixed 1%; a sampled batch keeps the 1%."""
+    sampled = _greedy_batch_losing(max_probe_every=1024)
+    assert sampled._affordable_interval(2, greedy=False) == math.ceil(0.015 / (0.01 * 0.01))  # 150 plain steps
+    guard = _greedy_batch_losing(max_probe_every=1024)
+    assert guard._affordable_interval(2, greedy=True) == math.ceil(0.015 / (0.05 * 0.01))  # 30
+    guard.probe_win_rate = 0.0  # probes that keep losing: back to the fixed budget
+    assert guard._affordable_interval(2, greedy=True) == 150
+
+
+def test_a_greedy_batch_scouts_and_speculates_where_the_guesses_say_it_pays():
+    guard = _greedy_batch_losing(scout_every=8, probe_overhead=0.5, probe_every=32)
+    assert not guard.wants_scout(2, greedy=False)  # sampled batches never scout
+    plain = 0
+    while not guard.wants_scout(2, greedy=True):
+        guard.record(2, False, 2, 0.01, greedy=True)
+        plain += 1
+    assert plain == 7  # 8 plain steps since the speculative one: scout_every (the budget would allow 3)
+    assert not guard.scout(2, [True] * 4, seconds=0.001, depth=4)  # 4 guesses: too few to judge
+    assert guard.num_scouts == 1 and not guard.speculate(2, greedy=True)
+    for _ in range(8):
+        guard.record(2, False, 2, 0.01, greedy=True)
+    # 20 hits of 24: h = 5/6, so sum(h^d, d = 0..4) = 3.59 tokens per request, 7.2 for the batch in 0.03 s:
+    # 239 tokens/s beat plain's 200. The prediction becomes the estimate and the step speculates.
+    assert guard.scout(2, [True] * 16 + [False] * 4, seconds=0.001, depth=4)
+    assert guard.num_scout_probes == 1 and guard.speculate(2, greedy=True)
+    guard.record(2, True, 2, 0.03, greedy=True)  # its step commits 2 tokens (67 tokens/s): the probe lost
+    assert guard.probe_win_rate == 0.375 and guard._interval == 64 and not guard.speculate(2, greedy=True)
+
+
+def test_a_scout_that_predicts_a_loss_keeps_the_batch_plain():
+    guard = _greedy_batch_losing(scout_every=2, probe_overhead=0.5)
+    for _ in range(2):
+        guard.record(2, False, 2, 0.01, greedy=True)
+    assert guard.wants_scout(2, greedy=True)
+    assert not guard.scout(2, [True] * 8 + [False] * 8, seconds=0.001, depth=4)  # h = 1/2: 3.9 tokens, 130/s
+    assert guard.num_scout_probes == 0 and guard._rate(2, True) == 100.0  # the estimate stands
+
+
+def test_scouts_dearer_than_the_budget_allows_are_spaced_out():
+    guard = _greedy_batch_losing(scout_every=2, probe_overhead=0.5, winning_probe_overhead=0.0)
+    for _ in range(2):
+        guard.record(2, False, 2, 0.01, greedy=True)
+    guard.scout(2, [False] * 16, seconds=0.02, depth=4)  # a scout of two plain steps' time, at a 50% budget
+    waited = 0
+    while not guard.wants_scout(2, greedy=True):
+        guard.record(2, False, 2, 0.01, greedy=True)
+        waited += 1
+    assert waited == 4  # 0.02 s within 50% of 4 plain steps' 0.01 s
+
+
+def test_greedy_batch_guard_rejects_bad_settings():
+    for bad in (dict(hold=1.0), dict(hold=-0.1), dict(winning_probe_overhead=1.5), dict(scout_every=-1)):
+        with pytest.raises(ValueError):
+            GoodputGuard(**bad)

@@ -274,3 +274,54 @@ def test_greedy_scout_hits_are_the_committed_tokens_rank_among_the_drafters_top_
     assert depth_g == depth_h == source.steps
     assert [s.speculated for s in out.steps[:11]] == [True] + [False] * 8 + [True] * 2  # "H" speculates at once
     assert [s.scouted for s in out.steps[:11]] == [False] * 4 + [True] + [False] * 6
+
+
+def test_a_greedy_batch_scouts_every_request_and_speculates_where_its_scout_says_so():
+    """The batched engine's greedy scouts (engine/batch_cost.py `GoodputGuard.scout`) on a scripted guard: "G" a
+    plain step whose scout calls no probe, "H" one whose scout does. Each request's hits say whether its committed
+    tokens were among its drafter's top 2 guesses after the committed prefix (one causal drafter forward over its
+    text); the step "H" calls speculates at once, and every request's text is plain decoding's."""
+    from trtllm_moespec.engine.batch import BatchedEngine
+    from trtllm_moespec.engine.batch_cost import GoodputGuard
+
+    class Scripted(GoodputGuard):
+        def __init__(self, script: str):
+            super().__init__()
+            self.script, self.i, self.scout_calls = script, 0, []
+
+        def speculate(self, batch_size: int, greedy: bool = False) -> bool:
+            self.step = self.script[min(self.i, len(self.script) - 1)]
+            self.i += 1
+            return self.step == "S"
+
+        def wants_scout(self, batch_size: int, greedy: bool) -> bool:
+            return greedy and self.step in "GH"
+
+        def scout(self, batch_size, hits, seconds, depth):
+            self.scout_calls.append((batch_size, hits, depth))
+            return self.step == "H"
+
+    llm = LLM("moespec-tiny", policy="evict", **forced_speculation())
+    prompts = llm.encode(["def fib(n):\n", "The capital of France"])
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    guard = Scripted("SPPPGPPPPHSSSSSSSSSSSSSSSSSSSSSS")
+    engine = BatchedEngine(llm.engine, max_batch_size=2, batch_policy="evict-batch", goodput_guard=guard)
+    requests = [llm.make_request(p, params) for p in prompts]
+    engine.run_all(requests)
+    ar = LLM("moespec-tiny", policy="ar").generate(prompts, params)
+    assert [r.output_ids for r in requests] == [out.token_ids for out in ar]
+
+    target, drafter = llm.engine.target, llm.engine.draft_source.drafter
+    expected = {"G": [], "H": []}
+    for prompt, request in zip(prompts, requests):
+        seq = prompt + request.output_ids
+        hidden = target.prefill(target.new_cache(), torch.tensor([seq[:-1]])).hidden
+        top2 = drafter.extend(drafter.new_cache(), torch.tensor([seq[1:]]), hidden, top=2).tolist()
+        steps = request.steps  # the steps after the prefill's first token
+        first = [len(prompt) + 1 + sum(s.committed_tokens for s in steps[:i]) for i in range(len(steps))]
+        expected["G"] += [seq[first[i]] in top2[first[i] - 2] for i in range(1, 4)]
+        expected["H"] += [seq[first[i]] in top2[first[i] - 2] for i in range(4, 9)]
+        assert [s.verified_tokens > 0 for s in steps[:11]] == [True] + [False] * 8 + [True] * 2
+    (b_g, hits_g, depth_g), (b_h, hits_h, depth_h) = guard.scout_calls
+    assert (b_g, b_h) == (2, 2) and depth_g == depth_h == llm.engine.draft_source.steps
+    assert hits_g == expected["G"] and hits_h == expected["H"]  # request by request, in admission order

@@ -59,7 +59,7 @@ def test_whatever_the_guard_decides_the_text_is_ar_s(plain, monkeypatch):
     three calls, with both kinds of step taken and drafts accepted."""
     coin = random.Random(0)
     monkeypatch.setattr(GuardState, "speculate", lambda self: coin.random() < 0.5)
-    monkeypatch.setattr(GoodputGuard, "speculate", lambda self, batch_size: coin.random() < 0.5)
+    monkeypatch.setattr(GoodputGuard, "speculate", lambda self, batch_size, greedy=False: coin.random() < 0.5)
     llm = LLM("moespec-tiny")
     assert llm.engine.guard is not None
     runs = [llm.generate(PROMPTS, _params(), max_batch_size=size) for size in (1, 2, 1)]

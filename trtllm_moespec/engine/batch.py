@@ -47,6 +47,7 @@ from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
 from .drafters import Draft, LazyDraftStart, RequestDrafter, catch_up_all, commit_all, draft_all
 from .engine import (Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, position_keys,
                      processed_logits)
+from .guard import GREEDY_SCOUT_TOP
 from .stats import StepStats
 
 
@@ -231,8 +232,15 @@ class BatchedEngine:
         # The guard and the costs time the iteration alone: prefills of requests admitted in the same
         # step (a whole plain step's worth each) would otherwise land on whichever mode ran beside them.
         t_iter = time.perf_counter()
-        speculate = self.guard.speculate(len(running)) if self.guard is not None else engine.policy.drafts
+        greedy = all(a.request.sampling.greedy for a in running)
+        speculate = self.guard.speculate(len(running), greedy=greedy) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
+        scouts = self.guard is not None and running[0].drafter.scouts
+        if not speculate and scouts and self.guard.wants_scout(len(running), greedy):
+            # the drafters catch up on the skipped steps (which the next speculative step needs anyway), reading
+            # whether each committed token was among their first guesses: speculate now where those say it pays
+            hits = [hit for a in running for hit in a.drafter.scout(GREEDY_SCOUT_TOP)]
+            speculate = self.guard.scout(len(running), hits, time.perf_counter() - t0, running[0].drafter.depth)
         if speculate:  # after plain steps: the switch's price, kept out of the guard's and costs' view of this step
             catch_up_all([a.drafter for a in running])
         t_switch = time.perf_counter() - t0
@@ -281,7 +289,7 @@ class BatchedEngine:
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
         if self.guard is not None:
-            self.guard.record(len(running), speculate, committed, iter_s)
+            self.guard.record(len(running), speculate, committed, iter_s, greedy=greedy)
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
             self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)

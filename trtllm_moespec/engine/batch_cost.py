@@ -31,7 +31,7 @@ import statistics
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .guard import TIME_CLIP, Ewma
+from .guard import GREEDY_SCOUT_WINDOW, PROBE_WIN_WEIGHT, SCOUT_MIN, TIME_CLIP, Ewma
 
 
 class BatchCosts:
@@ -96,17 +96,30 @@ class GoodputGuard:
     follows the nearest batch size where both were, and the probe schedule is one countdown for
     the whole engine: under continuous batching the size drifts (8, 7, 8, 6, ...) every few
     steps, and a probe per newly seen size would cost more than all the plain steps it saves.
+
+    A batch whose requests are all greedy gets the single-request guard's rules for greedy requests
+    (`engine/guard.py`): the hysteresis `hold`, a probe budget that grows with the probe win rate
+    (`winning_probe_overhead`), and scouts (`wants_scout`, `scout`). Without them the batch guard
+    served moespec-base's data-set prompts one at a time (B = 1) speculating in ~20% of the steps,
+    where the single-request engine speculates in ~77%.
     """
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
-                 probe_overhead: float = 0.01, min_spec_steps: int = 4):
+                 probe_overhead: float = 0.01, min_spec_steps: int = 4, hold: float = 0.15,
+                 winning_probe_overhead: float = 0.1, scout_every: int = 8):
         if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every or not 0 < probe_overhead < 1:
             raise ValueError(f"need alpha in (0, 1], 2 <= probe_every <= max_probe_every and probe_overhead in "
                              f"(0, 1), got {alpha}, {probe_every}, {max_probe_every}, {probe_overhead}")
         if not (isinstance(min_spec_steps, int) and min_spec_steps >= 1):
             raise ValueError(f"min_spec_steps must be an integer >= 1, got {min_spec_steps!r}")
+        if not (0.0 <= hold < 1.0 and 0.0 <= winning_probe_overhead <= 1.0):
+            raise ValueError(f"need hold in [0, 1) and winning_probe_overhead in [0, 1], got {hold}, "
+                             f"{winning_probe_overhead}")
+        if not (isinstance(scout_every, int) and scout_every >= 0):
+            raise ValueError(f"scout_every must be an integer >= 0, got {scout_every!r}")
         self.alpha, self.probe_every, self.max_probe_every = alpha, probe_every, max_probe_every
         self.probe_overhead = probe_overhead  # a probe may cost at most this share of the winner's time
+        self.hold, self.winning_probe_overhead, self.scout_every = hold, winning_probe_overhead, scout_every
         # Speculative steps measured before speculation may be found to lose (the single-request guard's
         # `min_spec_steps`): one step commits anywhere from 1 to D+1 tokens per request, and a verdict on the
         # first one sent batches that speculation serves at 1.3x to plain decoding for the next ~90 steps.
@@ -119,11 +132,22 @@ class GoodputGuard:
         self._until_probe = probe_every  # steps left before the losing mode is tried again
         self._interval = probe_every  # current probe interval (doubles while the loser keeps losing)
         self.num_probes = 0
-        self._decisions: dict[int, bool | None] = {}  # batch size -> `_decision`, until the next record
+        # greedy batches: the last verdict was speculation (the hold applies), the running share of probes
+        # that won (prior: even odds), and the scouts' state
+        self._held = False
+        self.probe_win_rate = 0.5
+        self._since_spec = 0  # plain steps since the last speculative one
+        self._since_scout = 0  # plain steps since the last scout or speculative step
+        self._hits: collections.deque[bool] = collections.deque(maxlen=GREEDY_SCOUT_WINDOW * 64)
+        self._scout_s = Ewma()
+        self._scout_called = False  # the pending speculative step is one a scout called
+        self.num_scouts = self.num_scout_probes = 0
+        self._decisions: dict[tuple[int, bool], bool | None] = {}  # (batch size, greedy) -> `_decision`
 
-    def speculate(self, batch_size: int) -> bool:
-        """Speculate on the next step of `batch_size` requests? Decided before any drafting."""
-        decision = self._decision(batch_size)
+    def speculate(self, batch_size: int, greedy: bool = False) -> bool:
+        """Speculate on the next step of `batch_size` requests (`greedy`: all of them at T = 0)? Decided
+        before any drafting."""
+        decision = self._decision(batch_size, greedy)
         if decision is None:  # nothing decided anywhere yet: measure speculation, then plain decoding
             if (batch_size, True) in self._goodput or (batch_size, False) in self._goodput:
                 return (batch_size, True) not in self._goodput
@@ -136,58 +160,137 @@ class GoodputGuard:
     def _learning(self) -> bool:
         return self.num_spec_steps < self.min_spec_steps
 
-    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float, greedy: bool = False) -> None:
         """One finished step: its mode, committed tokens (all requests) and wall seconds."""
-        before = self._decision(batch_size)
+        before = self._decision(batch_size, greedy)
         probed = before is not None and speculated != before and not self._learning
         self.num_spec_steps += speculated
-        winner = self._goodput[(self._nearest_measured(batch_size), before)].value if probed else 0.0
+        measured = self._nearest_measured(batch_size)
+        winner = self._rate(measured, before) if probed else 0.0
+        plain = self._rate(measured, False) if self._scout_called and measured is not None else math.inf
         key = (batch_size, speculated)
         mean_s = self._seconds.setdefault(key, Ewma(warmup=self.min_spec_steps))
         seconds = mean_s.clipped(seconds, TIME_CLIP)  # one stalled step counts as at most TIME_CLIP times the mean
-        self._goodput.setdefault(key, Ewma(warmup=self.min_spec_steps)).update(tokens / max(seconds, 1e-9), self.alpha)
+        goodput = tokens / max(seconds, 1e-9)
+        self._goodput.setdefault(key, Ewma(warmup=self.min_spec_steps)).update(goodput, self.alpha)
         mean_s.update(seconds, self.alpha)
         self._decisions.clear()
-        after = self._decision(batch_size)
-        if probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
-            self.num_probes += 1
+        after = self._decision(batch_size, greedy)
+        self._held = bool(after)
+        if speculated:
+            self._since_spec = self._since_scout = 0
+            self._hits.clear()  # a scout judges the plain steps since
+        else:
+            self._since_spec += 1
+            self._since_scout += 1
+        if self._scout_called:  # won where its own step paid (the scout's prediction set the estimate)
+            self._scout_called = False
+            self._judge_probe(goodput > plain, batch_size, greedy)
+        elif probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
             # A probe that beat the winner's estimate without flipping the decision yet (the estimate
             # averages older steps) is news too: no back-off, probe again after the shortest interval.
-            promising = after != before or tokens / max(seconds, 1e-9) >= winner
-            self._interval = self.probe_every if promising else min(2 * self._interval, self.max_probe_every)
-            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
+            self._judge_probe(after != before or goodput >= winner, batch_size, greedy, speculation=speculated)
         elif (before is None and after is not None) or (speculated and self.num_spec_steps == self.min_spec_steps):
             # both modes just got measured, or speculation just enough times: the countdown starts
-            self._until_probe = max(self._interval, self._affordable_interval(batch_size))
+            self._until_probe = max(self._interval, self._affordable_interval(batch_size, greedy))
         else:
             self._until_probe -= 1
 
-    def _affordable_interval(self, batch_size: int) -> int:
-        """Steps between probes so that a probe's extra time stays within `probe_overhead` of the
-        winner's time over the interval (a probe 10x dearer than a step waits ~180 steps at 5%, ~450 at 2%)."""
+    def _judge_probe(self, won: bool, batch_size: int, greedy: bool, speculation: bool = True) -> None:
+        """A probe's verdict: the interval (reset on a win, doubled on a loss), the countdown, and for a
+        probe of speculation the win rate that sets a greedy batch's probe budget."""
+        self.num_probes += 1
+        if speculation:
+            self.probe_win_rate += PROBE_WIN_WEIGHT * (float(won) - self.probe_win_rate)
+        self._interval = self.probe_every if won else min(2 * self._interval, self.max_probe_every)
+        self._until_probe = max(self._interval, self._affordable_interval(batch_size, greedy))
+
+    def _budget(self, greedy: bool, speculation: bool) -> float:
+        """The share of the winner's time a probe may cost: for a probe of speculation in a greedy batch,
+        relaxed to what probes have earned (`winning_probe_overhead` x the win rate) when that is larger."""
+        if greedy and speculation:
+            return max(self.probe_overhead, self.winning_probe_overhead * self.probe_win_rate)
+        return self.probe_overhead
+
+    def _affordable_interval(self, batch_size: int, greedy: bool = False) -> int:
+        """Steps between probes so that a probe's extra time (its seconds beyond what the winning mode needs
+        for the tokens it commits) stays within the budget share of the winner's time over the interval:
+        a probe 10x dearer than a step that commits as many tokens waits ~180 steps at 5%, ~450 at 2%."""
         measured = self._nearest_measured(batch_size)
         if measured is None:
             return self.probe_every
-        winner = self._winner(measured)
+        winner = self._winner(measured, greedy)
         t_win, t_lose = self._seconds[(measured, winner)].value, self._seconds[(measured, not winner)].value
-        if t_lose <= t_win:
+        loss = t_lose * (1.0 - self._rate(measured, not winner) / self._rate(measured, winner))
+        if loss <= 0:
             return self.probe_every
-        return min(math.ceil((t_lose / t_win - 1) / self.probe_overhead), self.max_probe_every)
+        steps = math.ceil(round(loss / (self._budget(greedy, not winner) * t_win), 9))  # (100.000...01 is 100)
+        return min(steps, self.max_probe_every)
 
-    def _decision(self, batch_size: int) -> bool | None:
+    # ------------------------------------------------------------------ scouts (greedy batches)
+    def wants_scout(self, batch_size: int, greedy: bool) -> bool:
+        """Should the engine scout before this plain step? A greedy batch decoding plainly scouts every
+        `scout_every` plain steps (or more where a scout costs more than the budget allows), once a probe
+        would be affordable (the single-request guard's `GuardState.wants_scout`)."""
+        if not (greedy and self.scout_every > 0 and self._since_scout >= self.scout_every) or self._learning:
+            return False
+        if self._decision(batch_size, greedy) is not False:
+            return False
+        if self._since_spec < self._affordable_interval(batch_size, greedy):
+            return False
+        measured = self._nearest_measured(batch_size)
+        if self._scout_s.known:  # a scout (the drafters' catch-up) within the budget of the plain steps between
+            t_plain = self._seconds[(measured, False)].value
+            budget = self._budget(greedy, True) * t_plain
+            return self._since_scout >= math.ceil(round(self._scout_s.value / budget, 9))
+        return True
+
+    def scout(self, batch_size: int, hits: list[bool], seconds: float, depth: int) -> bool:
+        """What the drafters' catch-up read (`hits`: was each skipped step's committed token among a drafter's
+        top `GREEDY_SCOUT_TOP` first guesses, over the batch's requests) decides: does this step speculate?
+        The hit rate h of the latest plain steps' guesses (GREEDY_SCOUT_WINDOW per request) predicts a
+        speculative step's tokens per request as sum(h^d, d = 0..depth); where that pays, the prediction
+        replaces the speculative estimate and the step runs as a probe, judged by what it commits."""
+        self._scout_s.update(seconds, self.alpha, TIME_CLIP)
+        self._since_scout = 0
+        self.num_scouts += 1
+        self._hits.extend(hits)
+        recent = list(self._hits)[-GREEDY_SCOUT_WINDOW * batch_size:]
+        measured = self._nearest_measured(batch_size)
+        if len(recent) < SCOUT_MIN or depth < 1 or measured is None:
+            return False
+        h = sum(recent) / len(recent)
+        expected = measured * sum(h ** d for d in range(depth + 1))  # tokens of a speculative step at `measured`
+        goodput = expected / self._seconds[(measured, True)].value
+        if goodput <= self._rate(measured, False):
+            return False
+        self._goodput[(measured, True)].value = goodput
+        self._decisions.clear()
+        self._scout_called = True
+        self.num_scout_probes += 1
+        return True
+
+    # ------------------------------------------------------------------ the estimates
+    def _rate(self, batch_size: int, speculated: bool) -> float:
+        """Tokens per second of one mode at a batch size where it was measured."""
+        return self._goodput[(batch_size, speculated)].value
+
+    def _decision(self, batch_size: int, greedy: bool = False) -> bool | None:
         """The winning mode at the nearest batch size where both modes were measured (this one
         first, then smaller on ties: neighbouring sizes cost alike); None while there is none.
         Kept per batch size until the next `record` changes the measurements (asked every step)."""
-        if batch_size not in self._decisions:
+        key = (batch_size, greedy)
+        if key not in self._decisions:
             measured = self._nearest_measured(batch_size)
-            self._decisions[batch_size] = None if measured is None else self._winner(measured)
-        return self._decisions[batch_size]
+            self._decisions[key] = None if measured is None else self._winner(measured, greedy)
+        return self._decisions[key]
 
     def _nearest_measured(self, batch_size: int) -> int | None:
-        sizes = sorted((abs(b - batch_size), b) for b, _ in self._goodput if self._winner(b) is not None)
+        sizes = sorted((abs(b - batch_size), b) for b, spec in self._goodput if spec and (b, False) in self._goodput)
         return sizes[0][1] if sizes else None
 
-    def _winner(self, batch_size: int) -> bool | None:
-        spec, plain = (self._goodput[(batch_size, m)].value if (batch_size, m) in self._goodput else None
-                       for m in (True, False))
-        return None if spec is None or plain is None else spec >= plain
+    def _winner(self, batch_size: int, greedy: bool = False) -> bool:
+        """Speculation wins at a batch size where both modes were measured; for a greedy batch that was
+        speculating, until it loses by more than `hold` (the single-request guard's `GuardConfig.hold`)."""
+        margin = self.hold if greedy and self._held else 0.0
+        return self._rate(batch_size, True) >= (1.0 - margin) * self._rate(batch_size, False)
