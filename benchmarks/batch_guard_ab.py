@@ -3,9 +3,10 @@ batching, freed slots refilled before the next step) under guard variants, inter
 
 Arms: `ar`; `default` (the batch guard as shipped); `rules-off` (the same guard without the rules it shares with the
 single-request guard for greedy batches: no hold, no earned probe budget, no scouts); `off` (no guard: every step
-speculative). Each arm's engine is kept across repeats, as a server keeps its guard. Per cell: tokens/s (prefills
-and all), x `ar` at the same B, the share of request-steps that verified draft nodes, and tokens per speculative
-request-step; at T=0 every arm's text is checked against `ar`'s (at T > 0 the texts are samples, not compared).
+drafts, and the policy may still verify nothing). Each arm's engine is kept across repeats, as a server keeps its
+guard. Per cell: tokens/s (prefills and all; the median of the repeats), x `ar` at the same B, the share of
+request-steps that verified draft nodes and the tokens such a request-step committed (both pooled over the
+repeats); at T=0 every arm's text is checked against `ar`'s (at T > 0 the texts are samples, not compared).
 
     python -m benchmarks.batch_guard_ab [--model moespec-base] [--policy joint-batch] [--batch-sizes 1,4,8]
         [--requests 24] [--tokens 64] [--temperature 0] [--repeats 2] [--json OUT]
@@ -48,9 +49,8 @@ def serve(llm, engine, prompts: list[list[int]], batch: int, params) -> dict:
     seconds = time.perf_counter() - t0
     steps = [s for r in requests for s in r.steps]
     spec = [s for s in steps if s.verified_tokens > 0]
-    return {"tokens_per_s": sum(len(r.output_ids) for r in requests) / seconds,
-            "speculative_share": len(spec) / max(len(steps), 1),
-            "tokens_per_speculative_step": statistics.mean(s.committed_tokens for s in spec) if spec else 0.0,
+    return {"tokens_per_s": sum(len(r.output_ids) for r in requests) / seconds, "steps": len(steps),
+            "speculative_steps": len(spec), "speculative_tokens": sum(s.committed_tokens for s in spec),
             "outputs": [list(r.output_ids) for r in requests]}
 
 
@@ -92,10 +92,11 @@ def main(argv=None) -> dict:
     for a, b in cells:
         runs, ar = rows[a, b], rows["ar", b]
         speed = statistics.median(r["tokens_per_s"] for r in runs)
+        spec = sum(r["speculative_steps"] for r in runs)
         cell = {"arm": a, "batch": b, "tokens_per_s": speed,
                 "vs_ar": speed / statistics.median(r["tokens_per_s"] for r in ar),
-                "speculative_share": statistics.mean(r["speculative_share"] for r in runs),
-                "tokens_per_speculative_step": statistics.mean(r["tokens_per_speculative_step"] for r in runs),
+                "speculative_share": spec / sum(r["steps"] for r in runs),
+                "tokens_per_speculative_step": sum(r["speculative_tokens"] for r in runs) / max(spec, 1),
                 "exact": all(r["outputs"] == ar[0]["outputs"] for r in runs) if args.temperature == 0 else None}
         result["cells"].append(cell)
         print(f"B={b} {a:9s} {speed:7.1f} tok/s  x ar {cell['vs_ar']:.3f}  speculative "

@@ -248,3 +248,19 @@ def test_greedy_batch_guard_rejects_bad_settings():
     for bad in (dict(hold=1.0), dict(hold=-0.1), dict(winning_probe_overhead=1.5), dict(scout_every=-1)):
         with pytest.raises(ValueError):
             GoodputGuard(**bad)
+
+
+def test_scouts_that_call_no_winning_probe_are_spaced_out_to_the_fixed_budget():
+    """A scout's budget is 10% x the share of scouts that called a winning probe (even odds at first), at least
+    the fixed 1%: where the guesses never say speculation pays, scouts of 0.1 plain steps come every 10 steps."""
+    guard = _greedy_batch_losing(scout_every=2, probe_every=1024, max_probe_every=1024)
+    gaps, plain = [], 0
+    for _ in range(120):
+        if guard.wants_scout(2, greedy=True):
+            gaps.append(plain)
+            plain = 0
+            assert not guard.scout(2, [False] * 4, seconds=0.001, depth=4)
+        guard.record(2, False, 2, 0.01, greedy=True)
+        plain += 1
+    # the first once a probe is affordable (30 plain steps), then 0.001 s within 10% x 0.375, 0.28, ... of theirs
+    assert gaps[:9] == [29, 3, 4, 5, 7, 9, 10, 10, 10]

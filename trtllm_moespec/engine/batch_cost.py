@@ -145,6 +145,11 @@ class GoodputGuard:
         # that won (prior: even odds), and the scouts' state
         self._held = False
         self.probe_win_rate = 0.5
+        # The running share of scouts that called a probe that won (prior: even odds); it sets their budget. A
+        # batch's scout costs a drafter catch-up per request, and where speculation never pays (moespec-tiny)
+        # scouts at the probes' budget cost ~4% of the time (`benchmarks/batch_guard_ab.py`, B = 1 / 4 / 8:
+        # 0.91 / 0.95 / 0.94x `ar` against 0.97 / 0.98 / 1.00x without the greedy rules).
+        self.scout_win_rate = 0.5
         self._since_spec = 0  # plain steps since the last speculative one
         self._since_scout = 0  # plain steps since the last scout or speculative step
         self._hits: collections.deque[bool] = collections.deque(maxlen=GREEDY_SCOUT_WINDOW * 64)
@@ -195,6 +200,7 @@ class GoodputGuard:
         if self._scout_called:  # won where its own step paid (the scout's prediction set the estimate)
             self._scout_called = False
             self._judge_probe(goodput > plain, batch_size, greedy)
+            self._judge_scout(goodput > plain)
         elif probed:  # a probe of the losing mode: back off while it keeps losing, start over when it wins
             # A probe that beat the winner's estimate without flipping the decision yet (the estimate
             # averages older steps) is news too: no back-off, probe again after the shortest interval.
@@ -213,6 +219,10 @@ class GoodputGuard:
             self.probe_win_rate += PROBE_WIN_WEIGHT * (float(won) - self.probe_win_rate)
         self._interval = self.probe_every if won else min(2 * self._interval, self.max_probe_every)
         self._until_probe = max(self._interval, self._affordable_interval(batch_size, greedy))
+
+    def _judge_scout(self, won: bool) -> None:
+        """A scout's verdict: it called a probe that won, or not (a probe that lost, or no probe)."""
+        self.scout_win_rate += PROBE_WIN_WEIGHT * (float(won) - self.scout_win_rate)
 
     def _budget(self, greedy: bool, speculation: bool) -> float:
         """The share of the winner's time a probe may cost: for a probe of speculation in a greedy batch,
@@ -239,8 +249,10 @@ class GoodputGuard:
     # ------------------------------------------------------------------ scouts (greedy batches)
     def wants_scout(self, batch_size: int, greedy: bool) -> bool:
         """Should the engine scout before this plain step? A greedy batch decoding plainly scouts every
-        `scout_every` plain steps (or more where a scout costs more than the budget allows), once a probe
-        would be affordable (the single-request guard's `GuardState.wants_scout`)."""
+        `scout_every` plain steps, once a probe would be affordable (the single-request guard's
+        `GuardState.wants_scout`), or less often where a scout costs more than its budget of those steps'
+        time allows: `winning_probe_overhead` x the share of scouts that called a winning probe, at least
+        `probe_overhead`."""
         if not (greedy and self.scout_every > 0 and self._since_scout >= self.scout_every) or self._learning:
             return False
         if self._decision(batch_size, greedy) is not False:
@@ -249,8 +261,8 @@ class GoodputGuard:
             return False
         measured = self._nearest_measured(batch_size)
         if self._scout_s.known:  # a scout (the drafters' catch-up) within the budget of the plain steps between
-            t_plain = self._seconds[(measured, False)].value
-            budget = self._budget(greedy, True) * t_plain
+            share = max(self.probe_overhead, self.winning_probe_overhead * self.scout_win_rate)
+            budget = share * self._seconds[(measured, False)].value
             return self._since_scout >= math.ceil(round(self._scout_s.value / budget, 9))
         return True
 
@@ -267,11 +279,13 @@ class GoodputGuard:
         recent = list(self._hits)[-GREEDY_SCOUT_WINDOW * batch_size:]
         measured = self._nearest_measured(batch_size)
         if len(recent) < SCOUT_MIN or depth < 1 or measured is None:
+            self._judge_scout(False)
             return False
         h = sum(recent) / len(recent)
         expected = measured * sum(h ** d for d in range(depth + 1))  # tokens of a speculative step at `measured`
         goodput = expected / self._seconds[(measured, True)].value
         if goodput <= self._rate(measured, False):
+            self._judge_scout(False)
             return False
         self._goodput[(measured, True)].value = goodput
         self._decisions.clear()
