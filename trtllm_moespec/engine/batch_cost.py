@@ -27,8 +27,9 @@
   (8) plain steps once a probe would be affordable, the drafters catch up on the skipped steps reading
   whether each committed token was among their top 2 guesses, and where that hit rate says speculation
   pays the batch speculates at once. moespec-base, 24 data-set requests served through B slots, joint-batch,
-  T=0 (`benchmarks/batch_guard_ab.py`): 1.61 / 1.36 / 1.23x `ar` at B = 1 / 4 / 8 against 1.33 / 1.26 /
-  1.22x without these rules (speculating every step: 1.46 / 1.27 / 1.25x).
+  T=0 (`benchmarks/batch_guard_ab.py`, docs/serving.md): 1.60 / 1.34 / 1.17x `ar` at B = 1 / 4 / 8 against
+  1.28 / 1.32 / 1.17x without these rules (speculating every step: 1.63 / 1.34 / 1.05x); at T=1, where the
+  rules do not apply, 1.01 / 0.99 / 0.99x (speculating every step: 0.70 / 0.63 / 0.58x).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class GoodputGuard:
     A batch whose requests are all greedy gets the single-request guard's rules for greedy requests
     (`engine/guard.py`): the hysteresis `hold`, a probe budget that grows with the probe win rate
     (`winning_probe_overhead`), and scouts (`wants_scout`, `scout`): serving moespec-base's data-set
-    prompts one at a time (B = 1), the batch guard speculated in 24% of the steps without them and in 64%
+    prompts one at a time (B = 1), the batch guard speculated in 19% of the steps without them and in 59%
     with them (the module docstring has the speeds).
     """
 
