@@ -322,6 +322,8 @@ def test_a_greedy_batch_scouts_every_request_and_speculates_where_its_scout_says
         expected["G"] += [seq[first[i]] in top2[first[i] - 2] for i in range(1, 4)]
         expected["H"] += [seq[first[i]] in top2[first[i] - 2] for i in range(4, 9)]
         assert [s.verified_tokens > 0 for s in steps[:11]] == [True] + [False] * 8 + [True] * 2
+        assert [s.speculated for s in steps[:11]] == [True] + [False] * 8 + [True] * 2
+        assert [s.scouted for s in steps[:11]] == [False] * 4 + [True] + [False] * 6  # "G" stayed plain
     (b_g, hits_g, depth_g), (b_h, hits_h, depth_h) = guard.scout_calls
     assert (b_g, b_h) == (2, 2) and depth_g == depth_h == llm.engine.draft_source.steps
     assert hits_g == expected["G"] and hits_h == expected["H"]  # request by request, in admission order

@@ -235,8 +235,9 @@ class BatchedEngine:
         greedy = all(a.request.sampling.greedy for a in running)
         speculate = self.guard.speculate(len(running), greedy=greedy) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
-        scouts = self.guard is not None and running[0].drafter.scouts
-        if not speculate and scouts and self.guard.wants_scout(len(running), greedy):
+        scouted = self.guard is not None and running[0].drafter.scouts
+        scouted = scouted and not speculate and self.guard.wants_scout(len(running), greedy)
+        if scouted:
             # the drafters catch up on the skipped steps (which the next speculative step needs anyway), reading
             # whether each committed token was among their first guesses: speculate now where those say it pays
             hits = [hit for a in running for hit in a.drafter.scout(GREEDY_SCOUT_TOP)]
@@ -293,8 +294,9 @@ class BatchedEngine:
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
             self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)
+        # every request waited for the whole batch stage; a plain step after a scout ran its drafter catch-up
         shared = dict(predictor_ms=t_pred * 1e3, select_ms=t_select * 1e3, target_ms=t_target * 1e3,
-                      step_ms=step_s * 1e3)  # every request waited for the whole batch stage
+                      step_ms=step_s * 1e3, scouted=scouted and not speculate)
         outputs = []
         for r in results:
             stats = StepStats(**r.parts, **shared, draft_ms=(t_draft + t_commit_drafts) * 1e3,
@@ -383,7 +385,7 @@ class BatchedEngine:
         finished = engine._append(request, emitted, out.logits[0], result)
         hits, checked = _predictor_hits(experts, out, layout, result) if draft is not None else (0, 0)
         parts = dict(  # StepStats fields of this request alone; `_iterate` adds the batch stages' times
-            verified_tokens=0 if draft is None else int(layout.num_nodes[0]),
+            speculated=draft is not None, verified_tokens=0 if draft is None else int(layout.num_nodes[0]),
             accepted_tokens=len(emitted) - 1, committed_tokens=len(emitted),
             unique_experts_per_layer=_unique_per_layer(out, self.target.num_experts),
             commit_ms=t_commit * 1e3, predictor_hits=hits, predictor_total=checked)
