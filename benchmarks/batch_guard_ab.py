@@ -34,8 +34,7 @@ def make_engine(llms: dict, arm: str, policy: str, batch: int):
         return BatchedEngine(llms["ar"].engine, batch)
     guard = {"default": True, "off": False,
              "rules-off": GoodputGuard(hold=0.0, winning_probe_overhead=0.0, scout_every=0)}[arm]
-    batch_policy = policy if policy.endswith("-batch") else None
-    return BatchedEngine(llms["spec"].engine, batch, batch_policy=batch_policy, goodput_guard=guard)
+    return BatchedEngine(llms["spec"].engine, batch, batch_policy=policy, goodput_guard=guard)
 
 
 def serve(llm, engine, prompts: list[list[int]], batch: int, params) -> dict:
@@ -61,7 +60,8 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="moespec-base")
-    ap.add_argument("--policy", default="joint-batch", help="a batch policy (joint-batch, evict-batch) or a policy")
+    ap.add_argument("--policy", default="joint-batch", choices=("joint-batch", "evict-batch"),
+                    help="the batch policy (a guard given to the engine applies to batch policies only)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--batch-sizes", default="1,4,8")
     ap.add_argument("--requests", type=int, default=24)
