@@ -15,7 +15,6 @@ repeats); at T=0 every arm's text is checked against `ar`'s (at T > 0 the texts 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -55,6 +54,7 @@ def serve(llm, engine, prompts: list[list[int]], batch: int, params) -> dict:
 
 def main(argv=None) -> dict:
     from trtllm_moespec import LLM, SamplingParams
+    from trtllm_moespec.bench.report import write_json
 
     from .bench_batch_steps import _dataset_prompts
 
@@ -103,8 +103,7 @@ def main(argv=None) -> dict:
               f"{100 * cell['speculative_share']:5.1f}%  {cell['tokens_per_speculative_step']:.2f} tokens a "
               f"speculative step" + ("  NOT EXACT" if cell["exact"] is False else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return result
 
 

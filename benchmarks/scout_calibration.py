@@ -42,13 +42,15 @@ def window_pairs(ranks: np.ndarray, step_tokens: list[int], top: int, depth: int
                  ) -> list[tuple[float, float]]:
     """(predicted, committed) per window: the scout's prediction from the `window` positions before, and the
     mean tokens of the speculative steps starting in the `window` positions after."""
+    from trtllm_moespec.engine.guard import greedy_scout_tokens
+
     starts = np.cumsum([0] + step_tokens[:-1])
     pairs = []
     for w0 in range(0, len(ranks) - window + 1, 8):
-        h = float((ranks[w0:w0 + window] < top).mean())
+        predicted = greedy_scout_tokens((ranks[w0:w0 + window] < top).tolist(), depth)  # the guard's own rule
         after = [c for q, c in zip(starts, step_tokens) if w0 + window <= q < w0 + 2 * window]
-        if after:
-            pairs.append((sum(h ** d for d in range(depth + 1)), float(np.mean(after))))
+        if after and predicted is not None:
+            pairs.append((predicted, float(np.mean(after))))
     return pairs
 
 

@@ -235,8 +235,8 @@ class BatchedEngine:
         greedy = all(a.request.sampling.greedy for a in running)
         speculate = self.guard.speculate(len(running), greedy=greedy) if self.guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
-        scouted = self.guard is not None and running[0].drafter.scouts
-        scouted = scouted and not speculate and self.guard.wants_scout(len(running), greedy)
+        scouted = (not speculate and self.guard is not None and running[0].drafter.scouts
+                   and self.guard.wants_scout(len(running), greedy))
         if scouted:
             # the drafters catch up on the skipped steps (which the next speculative step needs anyway), reading
             # whether each committed token was among their first guesses: speculate now where those say it pays

@@ -41,7 +41,7 @@ import statistics
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .guard import GREEDY_SCOUT_WINDOW, PROBE_WIN_WEIGHT, SCOUT_MIN, TIME_CLIP, Ewma
+from .guard import GREEDY_SCOUT_WINDOW, PROBE_WIN_WEIGHT, TIME_CLIP, Ewma, greedy_scout_tokens, steps_to_cover
 
 
 class BatchCosts:
@@ -180,9 +180,9 @@ class GoodputGuard:
         before = self._decision(batch_size, greedy)
         probed = before is not None and speculated != before and not self._learning
         self.num_spec_steps += speculated
-        measured = self._nearest_measured(batch_size)
+        measured = self._nearest_measured(batch_size) if probed or self._scout_called else None
         winner = self._rate(measured, before) if probed else 0.0
-        plain = self._rate(measured, False) if self._scout_called and measured is not None else math.inf
+        plain = self._rate(measured, False) if measured is not None and self._scout_called else math.inf
         key = (batch_size, speculated)
         mean_s = self._seconds.setdefault(key, Ewma(warmup=self.min_spec_steps))
         seconds = mean_s.clipped(seconds, TIME_CLIP)  # one stalled step counts as at most TIME_CLIP times the mean
@@ -244,8 +244,7 @@ class GoodputGuard:
         loss = t_lose * (1.0 - self._rate(measured, not winner) / self._rate(measured, winner))
         if loss <= 0:
             return self.probe_every
-        steps = math.ceil(round(loss / (self._budget(greedy, not winner) * t_win), 9))  # (100.000...01 is 100)
-        return min(steps, self.max_probe_every)
+        return min(steps_to_cover(loss, self._budget(greedy, not winner) * t_win), self.max_probe_every)
 
     # ------------------------------------------------------------------ scouts (greedy batches)
     def wants_scout(self, batch_size: int, greedy: bool) -> bool:
@@ -260,12 +259,12 @@ class GoodputGuard:
             return False
         if self._since_spec < self._affordable_interval(batch_size, greedy):
             return False
-        measured = self._nearest_measured(batch_size)
-        if self._scout_s.known:  # a scout (the drafters' catch-up) within the budget of the plain steps between
-            share = max(self.probe_overhead, self.winning_probe_overhead * self.scout_win_rate)
-            budget = share * self._seconds[(measured, False)].value
-            return self._since_scout >= math.ceil(round(self._scout_s.value / budget, 9))
-        return True
+        if not self._scout_s.known:
+            return True
+        # a scout (the drafters' catch-up) within the budget of the plain steps between
+        share = max(self.probe_overhead, self.winning_probe_overhead * self.scout_win_rate)
+        t_plain = self._seconds[(self._nearest_measured(batch_size), False)].value
+        return self._since_scout >= steps_to_cover(self._scout_s.value, share * t_plain)
 
     def scout(self, batch_size: int, hits: list[bool], seconds: float, depth: int) -> bool:
         """What the drafters' catch-up read (`hits`: was each skipped step's committed token among a drafter's
@@ -277,14 +276,12 @@ class GoodputGuard:
         self._since_scout = 0
         self.num_scouts += 1
         self._hits.extend(hits)
-        recent = list(self._hits)[-GREEDY_SCOUT_WINDOW * batch_size:]
+        per_request = greedy_scout_tokens(list(self._hits)[-GREEDY_SCOUT_WINDOW * batch_size:], depth)
         measured = self._nearest_measured(batch_size)
-        if len(recent) < SCOUT_MIN or depth < 1 or measured is None:
+        if per_request is None or measured is None:
             self._judge_scout(False)
             return False
-        h = sum(recent) / len(recent)
-        expected = measured * sum(h ** d for d in range(depth + 1))  # tokens of a speculative step at `measured`
-        goodput = expected / self._seconds[(measured, True)].value
+        goodput = measured * per_request / self._seconds[(measured, True)].value  # a speculative step at `measured`
         if goodput <= self._rate(measured, False):
             self._judge_scout(False)
             return False

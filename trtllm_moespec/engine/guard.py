@@ -123,6 +123,22 @@ GREEDY_SCOUT_WINDOW = 16
 PROBE_WEIGHT = 0.5
 
 
+def steps_to_cover(seconds: float, budget_s: float) -> int:
+    """The fewest steps whose overhead budget (`budget_s` seconds each) covers `seconds` (rounded first:
+    100.000...01 steps is 100)."""
+    return math.ceil(round(seconds / budget_s, 9))
+
+
+def greedy_scout_tokens(hits, depth: int) -> float | None:
+    """A speculative step's tokens per request that a greedy scout's hits predict: with h the share of the
+    committed tokens among the drafter's top `GREEDY_SCOUT_TOP` guesses, sum(h^d, d = 0..depth) (hits along
+    the tree's depth as independent). None: fewer than SCOUT_MIN hits, or no depth to draft."""
+    if len(hits) < SCOUT_MIN or depth < 1:
+        return None
+    h = sum(hits) / len(hits)
+    return sum(h ** d for d in range(depth + 1))
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     """How the speculate-or-not decision is made."""
@@ -356,8 +372,7 @@ class GuardState:
         budget = self.config.probe_overhead
         if self.greedy:  # at T > 0 a probe's win is mostly one lucky draw: no relaxation for it
             budget = max(budget, self.config.winning_probe_overhead * self.memory.probe_win_rate)
-        steps = math.ceil(round(seconds / (budget * self.plain_s.value), 9))  # (rounding: 100.000...01 is 100)
-        return min(steps, MAX_PROBE_WAIT)
+        return min(steps_to_cover(seconds, budget * self.plain_s.value), MAX_PROBE_WAIT)
 
     def scout_interval(self) -> int:
         """Plain steps between a greedy request's scouts: `scout_every`, or more where a scout's seconds (a
@@ -400,10 +415,9 @@ class GuardState:
         probe win rate, which sets the overhead budget, tracks how often scouts call right."""
         self.since_scout = 0
         self.plain_hits.extend(hits)
-        if len(self.plain_hits) < SCOUT_MIN or depth < 1:
+        expected = greedy_scout_tokens(self.plain_hits, depth)
+        if expected is None:
             return False
-        h = sum(self.plain_hits) / len(self.plain_hits)
-        expected = sum(h ** d for d in range(depth + 1))
         if not speculation_pays(expected, self.spec_s.value, self.plain_s.value, self.config.margin):
             return False
         self.spec_tokens.update(expected, 1.0)
