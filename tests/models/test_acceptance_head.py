@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from trtllm_moespec.core.node_features import NGRAM_ORDERS, ContextFollowers
 from trtllm_moespec.core.tree import DraftTree
 from trtllm_moespec.models.acceptance_head import (
     NUM_SCALARS, AcceptanceHead, copy_features, node_scalars, sibling_rank, write_random_acceptance_head,
@@ -53,3 +54,75 @@ def test_round_trip_and_local_probabilities(tmp_path):
     with pytest.raises(FileNotFoundError):
         AcceptanceHead.load(tmp_path / "missing")
     assert np.isfinite(node_scalars(_tree(), [])).all()
+
+
+def _reference_copy_features(tree: DraftTree, context: list[int]) -> np.ndarray:
+    """The copy features read plainly: every node walks its own path and scans the whole context."""
+    tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+    out = np.zeros((len(tokens), 2 * len(NGRAM_ORDERS)), dtype=np.float32)
+    for v, tok in enumerate(tokens):
+        if not bool(tree.valid[0, v]):
+            continue
+        path, u = [], parents[v]
+        while u >= 0:
+            path.append(tokens[u])
+            u = parents[u]
+        seq = context + path[::-1]
+        for j, n in enumerate(NGRAM_ORDERS):
+            if len(seq) < n:
+                continue
+            key = seq[-n:]
+            follows = [context[i + n] for i in range(len(context) - n) if context[i:i + n] == key]
+            out[v, 2 * j] = tok in follows
+            out[v, 2 * j + 1] = bool(follows) and follows[-1] == tok
+    return out
+
+
+def _random_tree(gen: torch.Generator, vocab: int, width: int = 3, depth: int = 3) -> DraftTree:
+    parents, level = [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(width):
+                nxt.append(len(parents))
+                parents.append(p)
+        level = nxt[:width]
+    n = len(parents)
+    return DraftTree.from_parents(torch.randint(0, vocab, (1, n), generator=gen), torch.tensor([parents]),
+                                  torch.rand(1, n, generator=gen) * 0.9 + 0.05)
+
+
+def test_incremental_copy_features_match_the_plain_reading():
+    gen = torch.Generator().manual_seed(0)
+    followers = ContextFollowers()
+    for request in range(2):  # a second request's context is no extension: the index starts again
+        context = torch.randint(0, 5, (6,), generator=gen).tolist()
+        for _ in range(12):
+            tree = _random_tree(gen, 5)
+            got = copy_features(tree, context, followers)
+            assert np.array_equal(got, _reference_copy_features(tree, context)), (request, context)
+            assert np.array_equal(copy_features(tree, context), got)  # a fresh index reads the same
+            context += torch.randint(0, 5, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+    assert got[:, 0].any() and not got[:, -1].all()  # the features vary
+
+
+def test_local_projects_the_shared_hidden_once_per_parent_and_equals_the_whole_forward(tmp_path):
+    head = AcceptanceHead.load(write_random_acceptance_head(tmp_path / "h", hidden_size=8, embed_size=6, vocab_size=12))
+    embed = torch.nn.Embedding(12, 6)
+    head.bind_embedding(embed)
+    gen = torch.Generator().manual_seed(1)
+    tree = _random_tree(gen, 12)
+    parents = tree.parents[0]
+    per_parent = torch.randn(len(parents) + 1, 8, generator=gen)
+
+    class Draft:  # the drafter's contract: siblings carry the hidden of the forward that proposed them
+        node_hidden = per_parent[parents.clamp(min=-1) + 1][None]
+
+    context = [1, 2, 3, 1, 2]
+    got = head.local(tree, Draft(), context)
+    with torch.no_grad():
+        want = torch.sigmoid(head.model(Draft.node_hidden[0], head.model.token_part(embed(tree.token_ids[0])),
+                                        tree.depth[0], torch.from_numpy(sibling_rank(tree)),
+                                        torch.from_numpy(node_scalars(tree, context))))
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+    assert float(want.std()) > 1e-3  # nodes differ

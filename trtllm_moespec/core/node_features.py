@@ -28,33 +28,59 @@ def sibling_rank(tree: DraftTree) -> np.ndarray:
     return np.where(valid, rank, 0)
 
 
-def copy_features(tree: DraftTree, context: list[int]) -> np.ndarray:
+class ContextFollowers:
+    """Incremental index of a growing context's n-gram followers, for every n in NGRAM_ORDERS: the tokens that
+    followed each n-gram, and the most recent one. One per request: each step reads only the newly committed
+    tokens (a context that is not an extension of the last one starts the index again)."""
+
+    def __init__(self) -> None:
+        self.context: list[int] = []
+        self.seen: dict[int, dict[tuple, set]] = {n: {} for n in NGRAM_ORDERS}
+        self.recent: dict[int, dict[tuple, int]] = {n: {} for n in NGRAM_ORDERS}
+
+    def update(self, context: list[int]) -> None:
+        old = len(self.context)
+        if context[:old] != self.context:
+            self.__init__()
+            old = 0
+        for n in NGRAM_ORDERS:
+            seen, recent = self.seen[n], self.recent[n]
+            for i in range(max(old - n, 0), len(context) - n):  # key i = context[i:i+n], new since the last update
+                key, nxt = tuple(context[i:i + n]), context[i + n]
+                seen.setdefault(key, set()).add(nxt)
+                recent[key] = nxt  # later entries win: the most recent follower
+        self.context = list(context)
+
+
+def copy_features(tree: DraftTree, context: list[int], followers: ContextFollowers | None = None) -> np.ndarray:
     """[N, 2 * len(NGRAM_ORDERS)] float32: for n in NGRAM_ORDERS, (v's token follows the last n tokens of
     context + path somewhere in the context, v's token is the most recent such follower). Batch of one.
+    `followers` (kept per request) avoids re-reading the context.
 
     Repetitive text (and a small target's loops) continues the way it went last time."""
-    followers: list[tuple[dict[tuple, set], dict[tuple, int]]] = []
-    for n in NGRAM_ORDERS:
-        keys = list(zip(*(context[j:len(context) - n + j] for j in range(n))))  # key i = context[i:i+n]
-        seen: dict[tuple, set] = {}
-        for key, nxt in zip(keys, context[n:]):
-            seen.setdefault(key, set()).add(nxt)
-        followers.append((seen, dict(zip(keys, context[n:]))))  # later entries win: the most recent follower
+    if followers is None:
+        followers = ContextFollowers()
+    followers.update(context)
     tokens, parents, valid = tree.token_ids[0].tolist(), tree.parents[0].tolist(), tree.valid[0].tolist()
     tail_len = max(NGRAM_ORDERS)
-    root_tail = tuple(context[-tail_len:])
-    tails: list[tuple] = []
-    out = np.zeros((len(tokens), 2 * len(NGRAM_ORDERS)), dtype=np.float32)
-    for v, (tok, p) in enumerate(zip(tokens, parents)):  # topological: parents come first
-        prev = root_tail if p < 0 else tails[p]
-        tails.append((prev + (tok,))[-tail_len:])
+    # Siblings share their parent's tail, so the look-ups run once per parent, not once per node;
+    # a parent's index is below its children's, so one pass in index order builds every tail.
+    tails: dict[int, tuple] = {-1: tuple(context[-tail_len:])}
+    for p in sorted(set(parents) - {-1}):
+        tails[p] = (tails[parents[p]] + (tokens[p],))[-tail_len:]
+    looked: dict[int, list[tuple]] = {}
+    flags: list[bool] = []  # the valid nodes' features, row after row (one array write at the end)
+    for v, (tok, p) in enumerate(zip(tokens, parents)):
         if not valid[v]:
             continue
-        for j, n in enumerate(NGRAM_ORDERS):
-            if len(prev) >= n:
-                key = prev[-n:]
-                out[v, 2 * j] = float(tok in followers[j][0].get(key, ()))
-                out[v, 2 * j + 1] = float(followers[j][1].get(key, -1) == tok)
+        found = looked.get(p)
+        if found is None:
+            tail = tails[p]
+            found = looked[p] = [(followers.seen[n].get(tail[-n:], ()), followers.recent[n].get(tail[-n:], -1))
+                                 if len(tail) >= n else ((), -1) for n in NGRAM_ORDERS]
+        flags.extend([flag for seen, recent in found for flag in (tok in seen, tok == recent)])
+    out = np.zeros((len(tokens), 2 * len(NGRAM_ORDERS)), dtype=np.float32)
+    out[np.flatnonzero(valid)] = np.asarray(flags, dtype=np.float32).reshape(-1, 2 * len(NGRAM_ORDERS))
     return out
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.device import to_device
-from ..core.node_features import NGRAM_ORDERS, copy_features, sibling_rank
+from ..core.node_features import NGRAM_ORDERS, ContextFollowers, copy_features, sibling_rank
 from ..core.tree import DraftTree
 
 __all__ = ["AcceptanceHead", "AcceptanceHeadConfig", "AcceptanceHeadModel", "copy_features", "load_head_values",
@@ -95,7 +95,16 @@ class AcceptanceHeadModel(nn.Module):
                 scalars: torch.Tensor) -> torch.Tensor:
         """hidden [M, H]; token_part [M, I] = embed_in(embed_norm(embedding)) (see token_table);
         depth / rank [M] int64; scalars [M, NUM_SCALARS] -> logits [M] float32."""
-        pre = (self.hidden_in(self.hidden_norm(hidden.float())) + token_part + self.scalar_in(scalars.float())
+        return self.logits(self.hidden_part(hidden), token_part, depth, rank, scalars)
+
+    def hidden_part(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, H] proposing hidden -> [M, I] its contribution (siblings share it: see AcceptanceHead.local)."""
+        return self.hidden_in(self.hidden_norm(hidden.float()))
+
+    def logits(self, hidden_part: torch.Tensor, token_part: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor,
+               scalars: torch.Tensor) -> torch.Tensor:
+        """`forward` from the hidden and token contributions ([M, I] each) -> logits [M] float32."""
+        pre = (hidden_part + token_part + self.scalar_in(scalars.float())
                + self.depth_bias(depth.clamp(0, self.cfg.max_depth)) + self.rank_bias(rank.clamp(0, self.cfg.max_rank - 1)))
         return self.out(F.silu(pre))[:, 0]
 
@@ -105,11 +114,11 @@ class AcceptanceHeadModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ node features
-def node_scalars(tree: DraftTree, context: list[int]) -> np.ndarray:
+def node_scalars(tree: DraftTree, context: list[int], followers: ContextFollowers | None = None) -> np.ndarray:
     """[N, NUM_SCALARS] float32: log q, log raw path score, copy features; batch of one."""
     logq = np.log(np.clip(tree.draft_probs[0].cpu().numpy(), 1e-8, 1.0))
     logs = np.clip(tree.log_scores[0].cpu().numpy(), -30.0, 0.0)
-    return np.concatenate([logq[:, None], logs[:, None], copy_features(tree, context)], 1).astype(np.float32)
+    return np.concatenate([logq[:, None], logs[:, None], copy_features(tree, context, followers)], 1).astype(np.float32)
 
 
 # ------------------------------------------------------------------------------------------ inference
@@ -120,6 +129,9 @@ class AcceptanceHead:
         self.model = model.eval()
         self.config = model.cfg
         self._table: torch.Tensor | None = None  # [V, I] token parts
+        # the context's n-gram followers, read incrementally while one request's context grows (another
+        # request's context starts it again: correct, only slower)
+        self._followers = ContextFollowers()
 
     @staticmethod
     def load(directory: str | Path) -> "AcceptanceHead":
@@ -178,9 +190,15 @@ class AcceptanceHead:
             return torch.zeros(1, 0, device=device)
         # the rank and copy features are host work on the tree (a few hundred ints): one upload each
         rank = to_device(torch.from_numpy(sibling_rank(tree)), device)
-        scalars = to_device(torch.from_numpy(node_scalars(tree, context or [])), device)
-        logits = self.model(hidden[0].to(device).float(), self._table[to_device(tree.token_ids[0], device)],
-                            to_device(tree.depth[0], device), rank, scalars)
+        scalars = to_device(torch.from_numpy(node_scalars(tree, context or [], self._followers)), device)
+        # Siblings share the hidden of the forward that proposed them, so its projection, most of the head's
+        # arithmetic, runs once per parent (~N / topk rows); invalid nodes form a group of their own.
+        parents, valid = tree.parents[0].cpu().numpy(), tree.valid[0].cpu().numpy()
+        _, first, group = np.unique(np.where(valid, parents, -2), return_index=True, return_inverse=True)
+        hidden_part = self.model.hidden_part(hidden[0][to_device(torch.from_numpy(first), hidden.device)].to(device))
+        logits = self.model.logits(hidden_part[to_device(torch.from_numpy(group.reshape(-1)), device)],
+                                   self._table[to_device(tree.token_ids[0], device)], to_device(tree.depth[0], device),
+                                   rank, scalars)
         return torch.sigmoid(logits)[None]
 
 
