@@ -3,13 +3,13 @@
 # on held-out prompts, the batched engine at B = 1, 4, 8 and the regime plot. 1 torch thread, as profiled.
 # Run on a quiet machine (nothing else running): about 2.5 hours on the 2-core CPU at the full sizes.
 #   bash benchmarks/base_suite.sh                  # everything
-#   STAGES="bench" REPEATS=1 bash benchmarks/base_suite.sh   # a subset (stages: profile tune bench replay batch overhead regime)
+#   STAGES="bench" REPEATS=1 bash benchmarks/base_suite.sh   # a subset (stages: profile tune bench values replay batch overhead regime)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results/base
 R=runs/base/replay
 M=moespec-base
-STAGES="${STAGES:-profile tune bench replay batch overhead regime}"
+STAGES="${STAGES:-profile tune bench values replay batch overhead regime}"
 mkdir -p "$OUT" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -30,11 +30,17 @@ if has bench; then
     --temperature 0,1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 fi
+if has values; then  # the acceptance head against the default calibrated values, live (2 runs per cell)
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,evict,joint --values-sweep head \
+    --temperature 0 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats 2 \
+    --json "$OUT/values_head_ab_t0.json" --markdown "$OUT/values_head_ab_t0.md"
+fi
 if has replay; then  # held-out: the bench's prompts, which neither training nor the calibrator prior saw
+  # with the drafter's node features, which the acceptance head reads
   moespec replay record --model $M --datasets humaneval,mt_bench,gsm8k --num-prompts "${PROMPTS:-8}" --max-tokens 64 \
-    --no-hidden --out $R/heldout_t0.safetensors
+    --out $R/heldout_t0.safetensors
   moespec replay score $R/heldout_t0.safetensors --policies eagle3,evict,ecospec,joint,coverage \
-    --values raw,calibrated --cost fit --hindsight --json "$OUT/replay_heldout.json" --markdown "$OUT/replay_heldout.md"
+    --values raw,calibrated,head --cost fit --hindsight --json "$OUT/replay_heldout.json" --markdown "$OUT/replay_heldout.md"
 fi
 if has batch; then
   python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \

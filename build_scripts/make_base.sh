@@ -10,7 +10,8 @@
 #   bash build_scripts/make_base.sh drafter-resume  # a later drafter segment on any machine, from the shipped drafter;
 #                                              # then `family-drafter` rebuilds what depends on the drafter
 #   bash build_scripts/make_base.sh family      # export the target, then drafter, draft vocabulary, predictor head,
-#                                              # calibrator prior, cost profile and the report
+#                                              # calibrator prior, acceptance head, cost profile and the report
+#   bash build_scripts/make_base.sh acceptance-head   # the acceptance head alone, on the shipped pair (~35 min)
 # The fresh-layer cycle (the up-scaling's 16 fresh layers trained alone, block expansion), segment by segment;
 # nothing shipped changes until `fresh-ship`:
 #   bash build_scripts/make_base.sh fresh          # FRESH_MIN minutes of the fresh layers (resumes runs/base/target_fresh
@@ -98,6 +99,28 @@ drafter_family() {
   moespec replay record --model moespec-base --tree 6,8,32 --datasets humaneval,mt_bench,gsm8k \
     --skip-prompts 8 --num-prompts 12 --max-tokens 64 --temperature 1 --no-hidden --out "$R/replay/train_t1.safetensors"
   moespec replay fit-calibrator "$R/replay/train_t0.safetensors" "$R/replay/train_t1.safetensors" --out "$A/values/calibrator.json"
+  acceptance_head
+}
+
+# The learned acceptance head (values='head'): T=0 records with the drafter's node features on prompts the
+# benchmarks never use (9-88 of each data set to train, 89-148 of HumanEval and GSM8K to pick the head kept,
+# MT-Bench having 80), ~30 min of records, then under a minute of training (it stops when the validation loss
+# has not improved for 8 checks); the bench's held-out records give the ranking report.
+acceptance_head() {
+  local rec="moespec replay record --model moespec-base --max-tokens 64"
+  [[ -f $R/replay/head_train1.safetensors ]] || $rec --datasets humaneval,mt_bench,gsm8k --skip-prompts 8 \
+    --num-prompts 40 --out "$R/replay/head_train1.safetensors"
+  [[ -f $R/replay/head_train2.safetensors ]] || $rec --datasets humaneval,mt_bench,gsm8k --skip-prompts 48 \
+    --num-prompts 40 --out "$R/replay/head_train2.safetensors"
+  [[ -f $R/replay/head_val.safetensors ]] || $rec --datasets humaneval,gsm8k --skip-prompts 88 --num-prompts 60 \
+    --out "$R/replay/head_val.safetensors"
+  [[ -f $R/replay/heldout_t0.safetensors ]] || $rec --datasets humaneval,mt_bench,gsm8k --num-prompts 8 \
+    --out "$R/replay/heldout_t0.safetensors"
+  python -m trtllm_moespec.training.train_acceptance_head --train "$R/replay/head_train1.safetensors" \
+    "$R/replay/head_train2.safetensors" --val "$R/replay/head_val.safetensors" \
+    --heldout "$R/replay/heldout_t0.safetensors" --intermediate 64 --minutes 5 --out "$R/acceptance_head" \
+    --export "$A/acceptance-head" 2>&1 | tee runs/logs/base_acceptance_head.log
+  cp "$R/acceptance_head/metrics.json" benchmarks/results/base/acceptance_head.json
 }
 
 case "$step" in
@@ -119,6 +142,8 @@ drafter-resume)
   # a fresh machine has no drafter checkpoint: a new run warm-started from the shipped (pruned) drafter
   python build_scripts/train_model.py $F eagle3 --init-from "$A/eagle3" --minutes "${DRAFTER_MIN:-60}" \
     --lr "${DRAFTER_LR:-1e-3}" --threads "${THREADS:-1}" --out "$R/eagle3_resume" 2>&1 | tee runs/logs/base_eagle3_resume.log ;;
+acceptance-head)
+  acceptance_head ;;
 family-drafter)
   # after drafter-resume: the export, its draft vocabulary, the predictor head and the calibrator prior
   python build_scripts/train_model.py $F export-eagle3 --run "$R/eagle3_resume"

@@ -68,19 +68,18 @@ def copy_features(tree: DraftTree, context: list[int], followers: ContextFollowe
     tails: dict[int, tuple] = {-1: tuple(context[-tail_len:])}
     for p in sorted(set(parents) - {-1}):
         tails[p] = (tails[parents[p]] + (tokens[p],))[-tail_len:]
-    looked: dict[int, list[tuple]] = {}
-    flags: list[bool] = []  # the valid nodes' features, row after row (one array write at the end)
-    for v, (tok, p) in enumerate(zip(tokens, parents)):
-        if not valid[v]:
-            continue
-        found = looked.get(p)
-        if found is None:
-            tail = tails[p]
-            found = looked[p] = [(followers.seen[n].get(tail[-n:], ()), followers.recent[n].get(tail[-n:], -1))
-                                 if len(tail) >= n else ((), -1) for n in NGRAM_ORDERS]
-        flags.extend([flag for seen, recent in found for flag in (tok in seen, tok == recent)])
+    rows = [v for v in range(len(tokens)) if valid[v]]
+    toks, pars = [tokens[v] for v in rows], [parents[v] for v in rows]
+    columns = []
+    for n in NGRAM_ORDERS:
+        keys = {p: tails[p][-n:] for p in set(pars) if len(tails[p]) >= n}  # parent -> its n-gram tail
+        seen = {p: followers.seen[n].get(k, ()) for p, k in keys.items()}
+        recent = {p: followers.recent[n].get(k, -1) for p, k in keys.items()}
+        columns.append([t in seen.get(p, ()) for t, p in zip(toks, pars)])
+        columns.append([t == recent.get(p, -1) for t, p in zip(toks, pars)])
     out = np.zeros((len(tokens), 2 * len(NGRAM_ORDERS)), dtype=np.float32)
-    out[np.flatnonzero(valid)] = np.asarray(flags, dtype=np.float32).reshape(-1, 2 * len(NGRAM_ORDERS))
+    if rows:
+        out[rows] = np.asarray(columns, dtype=np.float32).T
     return out
 
 

@@ -176,7 +176,8 @@ class AcceptanceHead:
 
     @torch.no_grad()
     def local(self, tree: DraftTree, draft, context: list[int] | None) -> torch.Tensor:
-        """[1, N] sigmoid of the head: local acceptance probability of each node (batch of one)."""
+        """[1, N] sigmoid of the head: local acceptance probability of each valid node, 0 for the others
+        (batch of one)."""
         hidden = getattr(draft, "node_hidden", None)
         if hidden is None:
             raise ValueError("the acceptance head needs the EAGLE-3 drafter's node_hidden; this draft source has none "
@@ -191,15 +192,18 @@ class AcceptanceHead:
         # the rank and copy features are host work on the tree (a few hundred ints): one upload each
         rank = to_device(torch.from_numpy(sibling_rank(tree)), device)
         scalars = to_device(torch.from_numpy(node_scalars(tree, context or [], self._followers)), device)
-        # Siblings share the hidden of the forward that proposed them, so its projection, most of the head's
-        # arithmetic, runs once per parent (~N / topk rows); invalid nodes form a group of their own.
-        parents, valid = tree.parents[0].cpu().numpy(), tree.valid[0].cpu().numpy()
-        _, first, group = np.unique(np.where(valid, parents, -2), return_index=True, return_inverse=True)
-        hidden_part = self.model.hidden_part(hidden[0][to_device(torch.from_numpy(first), hidden.device)].to(device))
+        # Only valid nodes are scored (the values read no other). Siblings share the hidden of the forward that
+        # proposed them, so its projection, most of the head's arithmetic, runs once per parent (~N / topk rows).
+        valid = np.flatnonzero(tree.valid[0].cpu().numpy())
+        _, first, group = np.unique(tree.parents[0].cpu().numpy()[valid], return_index=True, return_inverse=True)
+        rows, parent_rows = to_device(torch.from_numpy(valid), device), to_device(torch.from_numpy(valid[first]), device)
+        hidden_part = self.model.hidden_part(hidden[0].to(device)[parent_rows])
         logits = self.model.logits(hidden_part[to_device(torch.from_numpy(group.reshape(-1)), device)],
-                                   self._table[to_device(tree.token_ids[0], device)], to_device(tree.depth[0], device),
-                                   rank, scalars)
-        return torch.sigmoid(logits)[None]
+                                   self._table[to_device(tree.token_ids[0], device)[rows]],
+                                   to_device(tree.depth[0], device)[rows], rank[rows], scalars[rows])
+        out = torch.zeros(tree.num_nodes, device=device)
+        out[rows] = torch.sigmoid(logits)
+        return out[None]
 
 
 def load_head_values(directory: str | Path, target):
