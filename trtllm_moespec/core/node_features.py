@@ -40,8 +40,8 @@ class ContextFollowers:
 
     def update(self, context: list[int]) -> None:
         old = len(self.context)
-        if context[:old] != self.context:
-            self.__init__()
+        if context[:old] != self.context:  # not an extension: start again
+            self.seen, self.recent = {n: {} for n in NGRAM_ORDERS}, {n: {} for n in NGRAM_ORDERS}
             old = 0
         for n in NGRAM_ORDERS:
             seen, recent = self.seen[n], self.recent[n]
