@@ -34,6 +34,9 @@ if has values; then  # the acceptance head against the default calibrated values
   moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,evict,joint --values-sweep head \
     --temperature 0 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats 2 \
     --json "$OUT/values_head_ab_t0.json" --markdown "$OUT/values_head_ab_t0.md"
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,joint --values-sweep head \
+    --temperature 1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats 2 \
+    --json "$OUT/values_head_ab_t1.json" --markdown "$OUT/values_head_ab_t1.md"
 fi
 if has replay; then  # held-out: the bench's prompts, which neither training nor the calibrator prior saw
   # with the drafter's node features, which the acceptance head reads
