@@ -4,6 +4,7 @@ model pairs."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -25,11 +26,16 @@ def records_path(tmp_path_factory):
     return records.save(tmp_path_factory.mktemp("replay") / "train.safetensors")
 
 
-def test_the_trained_head_beats_an_untrained_one_on_its_examples(records_path, tmp_path):
+@pytest.mark.parametrize("val", [False, True])  # a random 5% of the nodes, or records given to validate on
+def test_the_trained_head_beats_an_untrained_one_on_its_examples(records_path, tmp_path, val):
     out = tmp_path / "out"
     export = tmp_path / "export"
     assert trainer.main(["--train", str(records_path), "--out", str(out), "--minutes", "0.05",
-                         "--intermediate", "32", "--export", str(export)]) == 0
+                         "--intermediate", "32", "--export", str(export)]
+                        + (["--val", str(records_path)] if val else [])) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["val_files"] == ([str(records_path)] if val else [])
+    assert 0 <= metrics["best_step"] <= metrics["steps"] and metrics["val_bce"] < math.log(2.0)
     head = AcceptanceHead.load(export)
     assert head.config.intermediate_size == 32
     ex = trainer.collect(ReplayFile.load(records_path))

@@ -3,12 +3,15 @@
 Examples are the valid drafted nodes whose parent the target accepts, of every recorded step
 (`moespec replay record`, which stores the drafter's node features and the target's verdict on
 every node from a peek forward): features exactly as at inference, label = the target's local
-acceptance of the node given its path (argmax match at T=0). Objective: binary cross-entropy; time-bounded.
+acceptance of the node given its path (argmax match at T=0). Objective: binary cross-entropy; time-bounded,
+the head of least validation loss kept (early stop).
 Evaluation: held-out loss, and the ranking report (accepted nodes held by the top-k by value).
 
     python -m trtllm_moespec.training.train_acceptance_head --train runs/replay/train_t0.safetensors \\
-        --heldout runs/replay/heldout_t0.safetensors --out runs/acceptance_head --minutes 4 \\
-        [--export trtllm_moespec/assets/moespec-tiny/acceptance-head]
+        [--val runs/replay/val_t0.safetensors] --heldout runs/replay/heldout_t0.safetensors \\
+        --out runs/acceptance_head --minutes 4 [--export trtllm_moespec/assets/moespec-tiny/acceptance-head]
+
+(moespec-base's: `bash build_scripts/make_base.sh acceptance-head`.)
 """
 
 from __future__ import annotations
