@@ -192,11 +192,11 @@ def test_copies_recent_follows_its_definition(seed):
 
 
 def test_incremental_context_index_equals_a_fresh_one():
-    from trtllm_moespec.core.node_features import RecentFollowers, copies_recent
+    from trtllm_moespec.core.node_features import ContextFollowers, copies_recent
 
     rng = np.random.default_rng(0)
     tree = random_eagle_tree(rng, 1, 3, 3, vocab=6)
-    context, index = list(rng.integers(0, 6, 30)), RecentFollowers()
+    context, index = list(rng.integers(0, 6, 30)), ContextFollowers()
     for _ in range(5):
         context += list(rng.integers(0, 6, 3))
         assert copies_recent(tree, context, index=index).tolist() == copies_recent(tree, context).tolist()

@@ -29,21 +29,23 @@ def sibling_rank(tree: DraftTree) -> np.ndarray:
 
 
 class ContextFollowers:
-    """Incremental index of a growing context's n-gram followers, for every n in NGRAM_ORDERS: the tokens that
-    followed each n-gram, and the most recent one. One per request: each step reads only the newly committed
-    tokens (a context that is not an extension of the last one starts the index again)."""
+    """Incremental index of a growing context's n-gram followers, for every n in `orders`: the tokens that
+    followed each n-gram, and the most recent one. One per request (the value model's request state keeps
+    it): each step reads only the newly committed tokens (a context that is not an extension of the last one
+    starts the index again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, orders: tuple[int, ...] = NGRAM_ORDERS) -> None:
+        self.orders = orders
         self.context: list[int] = []
-        self.seen: dict[int, dict[tuple, set]] = {n: {} for n in NGRAM_ORDERS}
-        self.recent: dict[int, dict[tuple, int]] = {n: {} for n in NGRAM_ORDERS}
+        self.seen: dict[int, dict[tuple, set]] = {n: {} for n in orders}
+        self.recent: dict[int, dict[tuple, int]] = {n: {} for n in orders}
 
     def update(self, context: list[int]) -> None:
         old = len(self.context)
         if context[:old] != self.context:  # not an extension: start again
-            self.seen, self.recent = {n: {} for n in NGRAM_ORDERS}, {n: {} for n in NGRAM_ORDERS}
+            self.seen, self.recent = {n: {} for n in self.orders}, {n: {} for n in self.orders}
             old = 0
-        for n in NGRAM_ORDERS:
+        for n in self.orders:
             seen, recent = self.seen[n], self.recent[n]
             for i in range(max(old - n, 0), len(context) - n):  # key i = context[i:i+n], new since the last update
                 key, nxt = tuple(context[i:i + n]), context[i + n]
@@ -83,29 +85,14 @@ def copy_features(tree: DraftTree, context: list[int], followers: ContextFollowe
     return out
 
 
-class RecentFollowers:
-    """Incremental index of the most recent follower of every n-gram of a growing context
-    (one per request: each step adds only the newly committed tokens)."""
-
-    def __init__(self, n: int = 2):
-        self.n, self.recent, self.context = n, {}, []
-
-    def update(self, context: list[int]) -> None:
-        n, start = self.n, max(len(self.context) - self.n, 0)
-        if context[:len(self.context)] != self.context:  # not an extension: start again
-            self.recent, start = {}, 0
-        for i in range(start, len(context) - n):
-            self.recent[tuple(context[i:i + n])] = context[i + n]
-        self.context = list(context)
-
-
-def copies_recent(tree: DraftTree, context: list[int], n: int = 2, index: RecentFollowers | None = None) -> np.ndarray:
+def copies_recent(tree: DraftTree, context: list[int], n: int = 2, index: ContextFollowers | None = None) -> np.ndarray:
     """[N] int64 1 where the node's token is the most recent follower, in the context, of the last n
-    tokens of (context + its path). Batch of one. `index` (kept per request) avoids re-reading the context."""
+    tokens of (context + its path). Batch of one. `index` (kept per request, indexing order n) avoids
+    re-reading the context."""
     if index is None:
-        index = RecentFollowers(n)
+        index = ContextFollowers((n,))
     index.update(context)
-    recent = index.recent
+    recent = index.recent[n]
     tokens_np, parents_np = tree.token_ids[0].cpu().numpy(), tree.parents[0].cpu().numpy()
     N = len(parents_np)
     tokens, parents = tokens_np.tolist(), parents_np.tolist()

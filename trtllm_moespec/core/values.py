@@ -36,7 +36,7 @@ import torch
 
 from .device import to_device
 from .followers_host import BigramFollowers, compiled_followers
-from .node_features import RecentFollowers, copies_recent, sibling_rank
+from .node_features import ContextFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
 from .values_host import MIN_COND, compiled_values
@@ -202,7 +202,7 @@ class Calibrator:
         return g * 2 + np.asarray(copies, dtype=np.int64) if self.copy else g
 
     def node_groups(self, tree: DraftTree, context: list[int] | None, index=None) -> np.ndarray:
-        """[B, N] group of every node (0 for padding); `index`: a per-request RecentFollowers (batch of one)."""
+        """[B, N] group of every node (0 for padding); `index`: a per-request ContextFollowers (batch of one)."""
         B, N = tree.token_ids.shape
         out = np.zeros((B, N), dtype=np.int64)
         for b in range(B):
@@ -378,10 +378,12 @@ class RawValues:
 class LocalScore(Protocol):
     """Per-node local score in [0, 1] that a calibrator maps to conditional acceptance."""
 
-    def __call__(self, tree: DraftTree, draft, context: list[int] | None) -> torch.Tensor: ...  # [B, N]
+    def __call__(self, tree: DraftTree, draft, context: list[int] | None,
+                 followers: ContextFollowers | None = None) -> torch.Tensor: ...  # [B, N]; followers: the request's
 
 
-def draft_prob(tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
+def draft_prob(tree: DraftTree, draft=None, context: list[int] | None = None,
+               followers: ContextFollowers | None = None) -> torch.Tensor:
     """The local draft probability q(v): the calibrated value model's local score."""
     return tree.draft_probs
 
@@ -408,13 +410,13 @@ class _CalibratedRequest:
     model: CalibratedValues
     state: OnlineCalibration
     _last: tuple[torch.Tensor, np.ndarray] | None = None  # local scores [B, N] and groups [B, N] of the last tree
-    _index: RecentFollowers = field(default_factory=RecentFollowers)  # the context's n-gram followers, incremental
+    _index: ContextFollowers = field(default_factory=ContextFollowers)  # the context's n-gram followers, incremental
     _bigrams: BigramFollowers = field(default_factory=BigramFollowers)  # the same, as the compiled path's table
 
     def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
         # host code from here on: a device tree is read back once, not once per feature
         host = tree.on_host()
-        local = self.model.local(host, draft, context).detach().float().cpu()
+        local = self.model.local(host, draft, context, self._index).detach().float().cpu()
         kernels = compiled_values() if host.batch_size == 1 else None
         if kernels is not None:
             out = self._compiled_values(host, local, context, kernels[0])

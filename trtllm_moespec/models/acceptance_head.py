@@ -129,9 +129,6 @@ class AcceptanceHead:
         self.model = model.eval()
         self.config = model.cfg
         self._table: torch.Tensor | None = None  # [V, I] token parts
-        # the context's n-gram followers, read incrementally while one request's context grows (another
-        # request's context starts it again: correct, only slower)
-        self._followers = ContextFollowers()
 
     @staticmethod
     def load(directory: str | Path) -> "AcceptanceHead":
@@ -175,9 +172,10 @@ class AcceptanceHead:
         return self
 
     @torch.no_grad()
-    def local(self, tree: DraftTree, draft, context: list[int] | None) -> torch.Tensor:
+    def local(self, tree: DraftTree, draft, context: list[int] | None,
+              followers: ContextFollowers | None = None) -> torch.Tensor:
         """[1, N] sigmoid of the head: local acceptance probability of each valid node, 0 for the others
-        (batch of one)."""
+        (batch of one). `followers`: the request's context index (values.py keeps one per request)."""
         hidden = getattr(draft, "node_hidden", None)
         if hidden is None:
             raise ValueError("the acceptance head needs the EAGLE-3 drafter's node_hidden; this draft source has none "
@@ -191,7 +189,7 @@ class AcceptanceHead:
             return torch.zeros(1, 0, device=device)
         # the rank and copy features are host work on the tree (a few hundred ints): one upload each
         rank = to_device(torch.from_numpy(sibling_rank(tree)), device)
-        scalars = to_device(torch.from_numpy(node_scalars(tree, context or [], self._followers)), device)
+        scalars = to_device(torch.from_numpy(node_scalars(tree, context or [], followers)), device)
         # Only valid nodes are scored (the values read no other). Siblings share the hidden of the forward that
         # proposed them, so its projection, most of the head's arithmetic, runs once per parent (~N / topk rows).
         valid = np.flatnonzero(tree.valid[0].cpu().numpy())

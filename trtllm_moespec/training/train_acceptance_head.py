@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..models.acceptance_head import (
     AcceptanceHead, AcceptanceHeadConfig, AcceptanceHeadModel, load_head_values, node_scalars, sibling_rank,
 )
+from ..core.node_features import ContextFollowers
 from ..core.values import MIN_COND
 from ..replay.records import ReplayFile
 from ..replay.score import true_values
@@ -51,7 +52,7 @@ class HeadExamples:
 def collect(records: ReplayFile, temperature: float = 0.0) -> HeadExamples:
     """Every valid node under an accepted parent, of every step at `temperature` (needs records made with
     node features)."""
-    parts = []
+    parts, followers = [], ContextFollowers()  # a request's steps come in order: the index grows with them
     for s in range(records.num_steps):
         step = records.step(s)
         if step.temperature != temperature:
@@ -65,7 +66,7 @@ def collect(records: ReplayFile, temperature: float = 0.0) -> HeadExamples:
         v = step.tree.valid[0] & (torch.where(parent >= 0, reach[parent.clamp(min=0)], 1.0) > MIN_COND)
         parts.append((step.node_hidden[0][v].half(), step.tree.token_ids[0][v], step.tree.depth[0][v],
                       torch.from_numpy(sibling_rank(step.tree))[v],
-                      torch.from_numpy(node_scalars(step.tree, step.context))[v], step.target_local[0][v].float()))
+                      torch.from_numpy(node_scalars(step.tree, list(step.context), followers))[v], step.target_local[0][v].float()))
     if not parts:
         raise ValueError(f"no recorded steps at temperature {temperature}")
     return HeadExamples(*(torch.cat(x) for x in zip(*parts)))
