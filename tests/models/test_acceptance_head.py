@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -106,7 +108,9 @@ def test_incremental_copy_features_match_the_plain_reading():
     assert got[:, 0].any() and not got[:, -1].all()  # the features vary
 
 
-def test_local_projects_the_shared_hidden_once_per_parent_and_equals_the_whole_forward(tmp_path):
+@pytest.mark.parametrize("compiled", ["1", "0"])  # the numba path (acceptance_head_host.py) and the torch one
+def test_local_projects_the_shared_hidden_once_per_parent_and_equals_the_whole_forward(tmp_path, monkeypatch, compiled):
+    monkeypatch.setenv("MOESPEC_FUSED_VALUES", compiled)
     head = AcceptanceHead.load(write_random_acceptance_head(tmp_path / "h", hidden_size=8, embed_size=6, vocab_size=12))
     embed = torch.nn.Embedding(12, 6)
     head.bind_embedding(embed)
@@ -126,3 +130,37 @@ def test_local_projects_the_shared_hidden_once_per_parent_and_equals_the_whole_f
                                         torch.from_numpy(node_scalars(tree, context))))
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
     assert float(want.std()) > 1e-3  # nodes differ
+
+
+@pytest.mark.parametrize("compiled", ["1", "0"])
+def test_local_reads_the_drafters_forward_rows_and_scores_only_valid_nodes(tmp_path, monkeypatch, compiled):
+    """An EAGLE-3 draft hands its forward rows (node v proposed by row v // topk), as the engine's `Draft`
+    wraps it; both paths give the whole forward's probabilities on valid nodes and 0 elsewhere, with the
+    context index kept from step to step."""
+    monkeypatch.setenv("MOESPEC_FUSED_VALUES", compiled)
+    head = AcceptanceHead.load(write_random_acceptance_head(tmp_path / "h", hidden_size=8, embed_size=6, vocab_size=12))
+    embed = torch.nn.Embedding(12, 6)
+    head.bind_embedding(embed)
+    gen = torch.Generator().manual_seed(2)
+    followers, context = ContextFollowers(), [1, 2, 3, 1, 2, 3, 1]
+    for _ in range(3):
+        tree = _random_tree(gen, 12)  # width 3: nodes 3r .. 3r + 2 come from forward row r
+        valid = torch.rand(tree.token_ids.shape, generator=gen) < 0.8
+        tree = dataclasses.replace(tree, valid=valid)
+        rows = torch.randn(1, tree.num_nodes // 3 + 1, 8, generator=gen)
+
+        class Drafted:
+            row_hidden, topk = rows, 3
+            node_hidden = rows.repeat_interleave(3, dim=1)[:, :tree.num_nodes]
+
+        class Draft:  # the engine's wrapper
+            drafted = Drafted()
+
+        got = head.local(tree, Draft(), context, followers)
+        with torch.no_grad():
+            want = torch.sigmoid(head.model(Drafted.node_hidden[0], head.model.token_part(embed(tree.token_ids[0])),
+                                            tree.depth[0], torch.from_numpy(sibling_rank(tree)),
+                                            torch.from_numpy(node_scalars(tree, context))))
+        torch.testing.assert_close(got[0], torch.where(valid[0], want, 0.0), rtol=1e-5, atol=1e-6)
+        assert bool((got[0][valid[0]] > 0).all())
+        context = context + tree.token_ids[0, :2].tolist()

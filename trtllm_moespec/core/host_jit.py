@@ -14,7 +14,7 @@ def switched_on(variable: str) -> bool:
     return os.environ.get(variable, "1") != "0"
 
 
-def numba_jit():
+def numba_jit(boundscheck: bool = True):
     """`numba.njit` as these kernels use it (cached beside the module, no GIL, bounds-checked), or None
     without numba.
 
@@ -26,19 +26,20 @@ def numba_jit():
         import numba
     except ImportError:
         return None
-    return numba.njit(cache=True, nogil=True, boundscheck=True)
+    return numba.njit(cache=True, nogil=True, boundscheck=boundscheck)
 
 
 _compiled: dict[tuple[str, tuple[str, ...]], tuple | None] = {}
 _compiling = threading.Lock()
 
 
-def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], helpers: tuple[str, ...] = ()
-                     ) -> tuple | None:
+def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], helpers: tuple[str, ...] = (),
+                     boundscheck: bool = True) -> tuple | None:
     """A module's `kernels` compiled (namespace: its `globals()`), once per module, or None when numba is
     missing or `switch` is 0. numba compiles the helpers a kernel calls by their global names, so those
     names are first rebound to their compiled versions (still plain callables from Python); a kernel that
-    is also a helper comes back as that compiled helper."""
+    is also a helper comes back as that compiled helper. `boundscheck=False` only for a kernel that checks
+    every index it reads itself (models/acceptance_head_host.py)."""
     if not switched_on(switch):
         return None
     key = (namespace["__name__"], kernels)
@@ -46,10 +47,11 @@ def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], hel
         return _compiled[key]
     with _compiling:
         if key not in _compiled:
-            jit = numba_jit()
+            jit = numba_jit(boundscheck)
             if jit is not None:
-                for name in helpers:
-                    namespace[name] = jit(namespace[name])
+                for name in helpers:  # a helper imported from a module that compiled it already stays as it is
+                    fn = namespace[name]
+                    namespace[name] = fn if hasattr(fn, "py_func") else jit(fn)
             _compiled[key] = None if jit is None else tuple(
                 namespace[name] if name in helpers else jit(namespace[name]) for name in kernels)
     return _compiled[key]

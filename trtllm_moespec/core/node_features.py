@@ -32,13 +32,15 @@ class ContextFollowers:
     """Incremental index of a growing context's n-gram followers, for every n in `orders`: the tokens that
     followed each n-gram, and the most recent one. One per request (the value model's request state keeps
     it): each step reads only the newly committed tokens (a context that is not an extension of the last one
-    starts the index again)."""
+    starts the index again). `table`: the same index as the compiled paths' hash tables
+    (followers_host.NgramFollowers), made and kept up to date by them."""
 
     def __init__(self, orders: tuple[int, ...] = NGRAM_ORDERS) -> None:
         self.orders = orders
         self.context: list[int] = []
         self.seen: dict[int, dict[tuple, set]] = {n: {} for n in orders}
         self.recent: dict[int, dict[tuple, int]] = {n: {} for n in orders}
+        self.table = None  # followers_host.table_of
 
     def update(self, context: list[int]) -> None:
         old = len(self.context)

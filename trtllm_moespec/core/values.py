@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .device import to_device
-from .followers_host import BigramFollowers, compiled_followers
+from .followers_host import copy_flags_of
 from .node_features import ContextFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
@@ -411,7 +411,6 @@ class _CalibratedRequest:
     state: OnlineCalibration
     _last: tuple[torch.Tensor, np.ndarray] | None = None  # local scores [B, N] and groups [B, N] of the last tree
     _index: ContextFollowers = field(default_factory=ContextFollowers)  # the context's n-gram followers, incremental
-    _bigrams: BigramFollowers = field(default_factory=BigramFollowers)  # the same, as the compiled path's table
 
     def values(self, tree: DraftTree, draft=None, context: list[int] | None = None) -> torch.Tensor:
         # host code from here on: a device tree is read back once, not once per feature
@@ -437,11 +436,11 @@ class _CalibratedRequest:
         cal = self.model.calibrator
         N = host.num_nodes
         copies = np.zeros(N, dtype=np.int64)
-        if cal.copy and context:  # copies_recent's flags from the compiled bigram table (followers_host.py)
-            insert, copies_of = compiled_followers()
-            tail = self._bigrams.update(context, insert)
-            copies_of(host.token_ids[0].numpy(), host.parents[0].numpy(), host.valid[0].numpy(), tail,
-                      self._bigrams.keys, self._bigrams.values, copies)
+        if cal.copy and context:  # copies_recent's flags (n = 2), from the compiled n-gram tables (followers_host.py)
+            flags = np.empty((N, 6), dtype=np.float32)
+            if not copy_flags_of(host, context, self._index, flags, with_seen=False):
+                return None
+            copies[:] = flags[:, 3]
         groups, values = np.empty(N, dtype=np.int64), np.empty(N, dtype=np.float32)
         ok = kernel(host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
                     local[0].numpy(), host.valid[0].numpy(), copies, self.state.maps(), self.state.centers,

@@ -32,7 +32,7 @@ def compiled_values():
     MOESPEC_FUSED_VALUES=0."""
     return compiled_kernels("MOESPEC_FUSED_VALUES", globals(),
                             ("calibrated_values", "isotonic", "add_trials", "refit_maps"),
-                            helpers=("isotonic",))  # refit_maps calls isotonic
+                            helpers=("isotonic", "sibling_ranks"))  # what refit_maps and calibrated_values call
 
 
 def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, num_depths, num_ranks, split_copy,
@@ -50,29 +50,14 @@ def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, nu
     """
     N = parents.shape[0]
     M = centers.shape[0]
-    # siblings as linked lists per parent (slot N: the root's children), in index order
-    first = np.full(N + 1, -1, dtype=np.int64)
-    nxt = np.full(N, -1, dtype=np.int64)
-    for v in range(N - 1, -1, -1):
-        p = parents[v]
-        if p >= v:
-            return False
-        slot = N if p < 0 else p
-        nxt[v] = first[slot]
-        first[slot] = v
+    ranks = np.empty(N, dtype=np.int64)
+    if not sibling_ranks(parents, q, valid, ranks):
+        return False
     log_value = np.empty(N, dtype=np.float64)
     for v in range(N):
         p = parents[v]
-        rank = 0
-        u = first[N if p < 0 else p]
-        while u >= 0:
-            if q[u] > q[v] or (q[u] == q[v] and u < v):
-                rank += 1
-            u = nxt[u]
-        if not valid[v]:
-            rank = 0
         d = min(max(depth[v], 1), num_depths)
-        g = (d - 1) * num_ranks + min(rank, num_ranks - 1)
+        g = (d - 1) * num_ranks + min(ranks[v], num_ranks - 1)
         if split_copy:
             g = g * 2 + copies[v]
         groups[v] = g
@@ -89,6 +74,32 @@ def calibrated_values(parents, depth, q, score, valid, copies, maps, centers, nu
         log_value[v] = np.log(cond) + (log_value[p] if p >= 0 else 0.0)
     for v in range(N):
         values[v] = np.float32(np.exp(log_value[v]))
+    return True
+
+
+def sibling_ranks(parents, q, valid, out):
+    """out [N] int64: each valid node's rank among its siblings by q, as `node_features.sibling_rank`
+    (the siblings, valid or not, with a higher q, or an equal one and a lower index), 0 for the others.
+    False when a parent does not come before its child."""
+    N = parents.shape[0]
+    # siblings as linked lists per parent (slot N: the root's children), in index order
+    first = np.full(N + 1, -1, dtype=np.int64)
+    nxt = np.full(N, -1, dtype=np.int64)
+    for v in range(N - 1, -1, -1):
+        p = parents[v]
+        if p >= v:
+            return False
+        slot = N if p < 0 else p
+        nxt[v] = first[slot]
+        first[slot] = v
+    for v in range(N):
+        rank = 0
+        u = first[N if parents[v] < 0 else parents[v]]
+        while u >= 0:
+            if q[u] > q[v] or (q[u] == q[v] and u < v):
+                rank += 1
+            u = nxt[u]
+        out[v] = rank if valid[v] else 0
     return True
 
 

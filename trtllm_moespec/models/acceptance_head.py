@@ -34,7 +34,9 @@ from torch import nn
 
 from ..core.device import to_device
 from ..core.node_features import NGRAM_ORDERS, ContextFollowers, copy_features, sibling_rank
+from ..core.followers_host import copy_flags_of
 from ..core.tree import DraftTree
+from .acceptance_head_host import HostHeadWeights, compiled_head
 
 __all__ = ["AcceptanceHead", "AcceptanceHeadConfig", "AcceptanceHeadModel", "copy_features", "load_head_values",
            "node_scalars", "sibling_rank", "write_random_acceptance_head"]
@@ -129,6 +131,7 @@ class AcceptanceHead:
         self.model = model.eval()
         self.config = model.cfg
         self._table: torch.Tensor | None = None  # [V, I] token parts
+        self._host: HostHeadWeights | None = None  # the weights for the compiled CPU path, made on first use
 
     @staticmethod
     def load(directory: str | Path) -> "AcceptanceHead":
@@ -161,6 +164,7 @@ class AcceptanceHead:
         self.model.to(device)
         if self._table is not None:
             self._table = self._table.to(device)
+        self._host = None
         return self
 
     def bind_embedding(self, embed: nn.Embedding) -> "AcceptanceHead":
@@ -169,6 +173,7 @@ class AcceptanceHead:
                              f"(vocab_size, embed_size) = {(self.config.vocab_size, self.config.embed_size)}")
         with torch.no_grad():  # computed where the head is (the embedding may live on another device)
             self._table = self.model.token_part(embed.weight.to(self.model.out.weight.device))
+        self._host = None
         return self
 
     @torch.no_grad()
@@ -176,17 +181,20 @@ class AcceptanceHead:
               followers: ContextFollowers | None = None) -> torch.Tensor:
         """[1, N] sigmoid of the head: local acceptance probability of each valid node, 0 for the others
         (batch of one). `followers`: the request's context index (values.py keeps one per request)."""
-        hidden = getattr(draft, "node_hidden", None)
-        if hidden is None:
-            raise ValueError("the acceptance head needs the EAGLE-3 drafter's node_hidden; this draft source has none "
-                             "(use values='calibrated')")
+        rows, per_row = _forward_rows(draft)
         if self._table is None:
             raise ValueError("call bind_embedding(target embedding) before local()")
-        if tree.batch_size != 1 or hidden.shape[:2] != tree.token_ids.shape:
-            raise ValueError(f"node_hidden {tuple(hidden.shape)} does not match the tree {tuple(tree.token_ids.shape)}")
+        if tree.batch_size != 1 or rows.shape[0] != 1 or rows.shape[1] * per_row < tree.num_nodes:
+            raise ValueError(f"the drafter's features {tuple(rows.shape)} ({per_row} nodes a row) do not match the "
+                             f"tree {tuple(tree.token_ids.shape)}")
         device = self._table.device
         if tree.num_nodes == 0:
             return torch.zeros(1, 0, device=device)
+        if device.type == "cpu" and compiled_head() is not None:
+            out = self._compiled_local(tree.on_host(), rows, per_row, context or [], followers or ContextFollowers())
+            if out is not None:
+                return out
+        hidden = rows if per_row == 1 else rows.repeat_interleave(per_row, dim=1)[:, :tree.num_nodes]  # [1, N, H]
         # the rank and copy features are host work on the tree (a few hundred ints): one upload each
         rank = to_device(torch.from_numpy(sibling_rank(tree)), device)
         scalars = to_device(torch.from_numpy(node_scalars(tree, context or [], followers)), device)
@@ -194,14 +202,46 @@ class AcceptanceHead:
         # proposed them, so its projection, most of the head's arithmetic, runs once per parent (~N / topk rows).
         valid = np.flatnonzero(tree.valid[0].cpu().numpy())
         _, first, group = np.unique(tree.parents[0].cpu().numpy()[valid], return_index=True, return_inverse=True)
-        rows, parent_rows = to_device(torch.from_numpy(valid), device), to_device(torch.from_numpy(valid[first]), device)
+        scored, parent_rows = to_device(torch.from_numpy(valid), device), to_device(torch.from_numpy(valid[first]), device)
         hidden_part = self.model.hidden_part(hidden[0].to(device)[parent_rows])
         logits = self.model.logits(hidden_part[to_device(torch.from_numpy(group.reshape(-1)), device)],
-                                   self._table[to_device(tree.token_ids[0], device)[rows]],
-                                   to_device(tree.depth[0], device)[rows], rank[rows], scalars[rows])
+                                   self._table[to_device(tree.token_ids[0], device)[scored]],
+                                   to_device(tree.depth[0], device)[scored], rank[scored], scalars[scored])
         out = torch.zeros(tree.num_nodes, device=device)
-        out[rows] = torch.sigmoid(logits)
+        out[scored] = torch.sigmoid(logits)
         return out[None]
+
+    def _compiled_local(self, host: DraftTree, rows: torch.Tensor, per_row: int, context: list[int],
+                        followers: ContextFollowers) -> torch.Tensor | None:
+        """`local` in one compiled call (acceptance_head_host.py), the copy features from the request's
+        compiled n-gram tables; None when the tree is not in parent-first order (the torch path then runs)."""
+        if self._host is None:
+            self._host = HostHeadWeights.of(self.model, self._table)
+        N = host.num_nodes
+        copies = np.empty((N, NUM_SCALARS - 2), dtype=np.float32)
+        if not copy_flags_of(host, context, followers, copies):
+            return None
+        w, out = self._host, np.empty(N, dtype=np.float32)
+        ok = compiled_head()[0](
+            host.token_ids[0].numpy(), host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
+            host.log_scores[0].numpy(), host.valid[0].numpy(), copies,
+            np.ascontiguousarray(rows[0].detach().float().cpu().numpy()), per_row, w.norm, w.eps, w.hidden_in,
+            w.token_part, w.scalar_in, w.scalar_bias, w.depth_bias, w.rank_bias, w.out, w.out_bias, out)
+        return torch.from_numpy(out[None]) if ok else None
+
+
+def _forward_rows(draft) -> tuple[torch.Tensor, int]:
+    """([1, R, H] the drafter's pre-norm hidden per forward row, nodes per row): node v's features are row
+    v // nodes-per-row. An EAGLE-3 draft (or the engine's `Draft` of one) gives its forward rows, whose
+    siblings share one; anything else its per-node `node_hidden` (replay records)."""
+    drafted = getattr(draft, "drafted", draft)
+    if getattr(drafted, "row_hidden", None) is not None:
+        return drafted.row_hidden, drafted.topk
+    hidden = getattr(draft, "node_hidden", None)
+    if hidden is None:
+        raise ValueError("the acceptance head needs the EAGLE-3 drafter's node_hidden; this draft source has none "
+                         "(use values='calibrated')")
+    return hidden, 1
 
 
 def load_head_values(directory: str | Path, target):
