@@ -30,11 +30,11 @@ if has bench; then
     --temperature 0,1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
 fi
-if has values; then  # the acceptance head against the default calibrated values, live (2 runs per cell)
-  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,evict,joint --values-sweep head \
+if has values; then  # the model's value model (the acceptance head) against the calibrated values, live (2 runs per cell)
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,evict,joint --values-sweep calibrated \
     --temperature 0 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats 2 \
     --json "$OUT/values_head_ab_t0.json" --markdown "$OUT/values_head_ab_t0.md"
-  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,joint --values-sweep head \
+  moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,joint --values-sweep calibrated \
     --temperature 1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats 2 \
     --json "$OUT/values_head_ab_t1.json" --markdown "$OUT/values_head_ab_t1.md"
 fi

@@ -10,7 +10,7 @@ import pytest
 from trtllm_moespec.assets import shipped_model_paths
 from trtllm_moespec.config import MoESpecConfig, RuntimeConfig
 from trtllm_moespec.engine.config import TreeConfig
-from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, with_tuned_options
+from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, chosen_values, with_tuned_options
 from trtllm_moespec.resolve import resolve_config
 
 BASE_TUNING = shipped_model_paths("moespec-base")["policy_defaults"]
@@ -62,6 +62,11 @@ GOOD = {"options": {"budget": 5}, "tree": [6, 8, 32], "device": "cpu"}
      r"'tree' must be \[steps, topk, max_draft_tokens\]"),
     (json.dumps({"format": FORMAT, "model_id": "m", "policies": {"ecospec": dict(GOOD, device=None)}}),
      "'device' must be a string"),
+    (json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "values": {"kind": "best", "tree": [6, 8, 32],
+                                                                          "device": "cpu"}}),
+     "'values': needs 'kind', one of raw, calibrated, head"),
+    (json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "values": {"kind": "head", "device": "cpu"}}),
+     r"'values': 'tree' must be"),
 ])
 def test_a_broken_file_is_named_with_its_problem(tmp_path, text, message):
     path = tmp_path / "policy_defaults.json"
@@ -75,3 +80,32 @@ def test_a_saved_file_loads_back(tmp_path):
     kept = PolicyDefaults.load(BASE_TUNING)
     kept.save(path)
     assert PolicyDefaults.load(path) == kept
+
+
+def _resolved_values(model: str = "moespec-base", **spec) -> str:
+    return resolve_config(MoESpecConfig(policy="joint", **spec), RuntimeConfig(model=model)).spec.values
+
+
+def test_moespec_base_chose_the_acceptance_head_from_a_side_by_side_run():
+    chosen = PolicyDefaults.load(BASE_TUNING).values
+    assert chosen.kind == "head" and chosen.tree == (6, 8, 32) and chosen.device == "cpu"
+    assert "--values-sweep head" in chosen.record["made_by"]
+    speed = chosen.record["speedup_vs_ar"]
+    assert speed["joint[values=head]"] > speed["joint"] and speed["evict[values=head]"] > speed["evict"]
+
+
+def test_the_chosen_values_apply_only_where_the_user_set_none_and_where_they_were_chosen():
+    assert _resolved_values() == "head"
+    assert _resolved_values(values="calibrated") == "calibrated"  # the user's wins
+    assert _resolved_values(tree=TreeConfig(4, 8, 32), override_profile=True) == "calibrated"  # chosen for another tree
+    assert _resolved_values(drafter="ngram") == "calibrated"  # the head reads the EAGLE-3 drafter
+    assert _resolved_values(model="moespec-tiny") == "calibrated"  # chose none
+
+
+def test_chosen_values_for_another_device_do_not_apply(tmp_path):
+    path = tmp_path / "policy_defaults.json"
+    entry = {"kind": "raw", "tree": [6, 8, 32], "device": "cuda:NVIDIA H200"}
+    path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "values": entry}))
+    assert chosen_values(path, "m", (6, 8, 32), "cpu") is None
+    assert chosen_values(path, "m", (6, 8, 32), "cuda:NVIDIA H200") == "raw"
+    assert chosen_values(None, "m", (6, 8, 32), "cpu") is None

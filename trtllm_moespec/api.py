@@ -65,7 +65,7 @@ class LLM:
         ep=None,
         ep_pricing: bool = True,
         model_impl: str = "lean",
-        values: str = "calibrated",
+        values: str | None = None,
         threads: int | None = 1,
         cuda_graphs: bool | None = None,
         prefix_cache: int = 0,

@@ -104,9 +104,10 @@ def _add_model_args(p: argparse.ArgumentParser, batch_policies: bool = False) ->
     p.add_argument("--predictor", default=None,
                    help="expert predictor directory for ecospec/joint (default: the model's own), or 'oracle' "
                         "(analysis only)")
-    p.add_argument("--values", default="calibrated", choices=["raw", "calibrated", "head"],
+    p.add_argument("--values", default=None, choices=["raw", "calibrated", "head"],
                    help="node values of the cost-aware policies: calibrated acceptance probability, the "
-                        "learned acceptance head, or raw draft path scores (ablation)")
+                        "learned acceptance head, or raw draft path scores (ablation); default: the model's "
+                        "choice for its tree and device (moespec-base: head on CPU), else calibrated")
     p.add_argument("--guard", default="auto", choices=["auto", "measured", "profiled", "off"],
                    help="speculate-or-not before each step: auto (default) = the measured goodput guard for the "
                         "cost-aware policies, off for eagle3; profiled = k=0 on the profiled costs only")

@@ -46,7 +46,9 @@ class MoESpecConfig:
     tree: TreeConfig | None = None
     draft_model: str | Path | None = None  # EAGLE-3 drafter directory; None: the model's own
     drafter: str = "eagle3"  # "eagle3", or "ngram" (weightless prompt lookup)
-    values: str = "calibrated"  # node values of the cost-aware policies: "raw", "calibrated", "head"
+    # node values of the cost-aware policies: "raw", "calibrated", "head"; None: the model's choice for its tree and
+    # device (policy_defaults.json: moespec-base "head" on CPU), else "calibrated"
+    values: str | None = None
     guard: str = "auto"  # speculate-or-not rule: "auto", "measured", "profiled", "off"
     draft_stop: bool | None = None  # stop drafting when another forward cannot pay; None: auto
     cost_profile: str | Path | CostTable | None = None  # path, "roofline:<device>", a CostTable; None: the model's
@@ -67,7 +69,7 @@ class MoESpecConfig:
             raise ValueError(f"guard must be one of {', '.join(GUARD_MODES)}, got {self.guard!r}")
         if self.draft_stop not in (None, True, False):
             raise ValueError(f"draft_stop must be None (auto), True or False, got {self.draft_stop!r}")
-        if self.values not in VALUE_KINDS:
+        if self.values is not None and self.values not in VALUE_KINDS:
             raise ValueError(f"unknown values {self.values!r}; choose one of {', '.join(VALUE_KINDS)}")
         for name in ("override_profile", "ep_pricing"):
             if not isinstance(getattr(self, name), bool):

@@ -9,7 +9,11 @@ tree and device it was tuned for are the ones in use (else the policy's own defa
 
     {"format": "moespec-policy-defaults/1", "model_id": "moespec-base",
      "policies": {"ecospec": {"options": {"budget": 6}, "tree": [6, 8, 32], "device": "cpu",
-                              "made_by": "moespec replay tune ...", "grid": [...]}}}
+                              "made_by": "moespec replay tune ...", "grid": [...]}},
+     "values": {"kind": "head", "tree": [6, 8, 32], "device": "cpu", "made_by": "moespec bench ..."}}
+
+The optional "values" entry is the node-value model `values=None` (the default) resolves to for that tree
+and device, chosen from side-by-side runs of the value models (elsewhere: "calibrated").
 """
 
 from __future__ import annotations
@@ -39,9 +43,20 @@ class TunedOptions:
 
 
 @dataclass(frozen=True)
+class TunedValues:
+    """The value model chosen for the model (`values=None`), and where it holds."""
+
+    kind: str  # "raw", "calibrated" or "head" (core/values.py)
+    tree: tuple[int, int, int]  # (steps, topk, max_draft_tokens) it was measured on
+    device: str  # the cost profile's device it was measured with
+    record: dict[str, Any]  # how it was chosen: command, the measured side-by-side runs (for readers)
+
+
+@dataclass(frozen=True)
 class PolicyDefaults:
     model_id: str
     policies: dict[str, TunedOptions]
+    values: TunedValues | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "PolicyDefaults":
@@ -57,13 +72,17 @@ class PolicyDefaults:
         entries = raw.get("policies")
         if not isinstance(entries, dict) or not isinstance(raw.get("model_id"), str):
             raise ValueError(f"policy defaults {path}: needs 'model_id' (a string) and 'policies' (an object)")
-        return cls(raw["model_id"], {name: _entry(path, name, e) for name, e in entries.items()})
+        values = _values_entry(path, raw["values"]) if "values" in raw else None
+        return cls(raw["model_id"], {name: _entry(path, name, e) for name, e in entries.items()}, values)
 
     def save(self, path: str | Path) -> None:
         policies = {name: {"options": t.options, "tree": list(t.tree), "device": t.device, **t.record}
                     for name, t in sorted(self.policies.items())}
-        Path(path).write_text(json.dumps({"format": FORMAT, "model_id": self.model_id, "policies": policies},
-                                         indent=1) + "\n")
+        out = {"format": FORMAT, "model_id": self.model_id, "policies": policies}
+        if self.values is not None:
+            v = self.values
+            out["values"] = {"kind": v.kind, "tree": list(v.tree), "device": v.device, **v.record}
+        Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
     def options_for(self, policy: str, tree: tuple[int, int, int], device: str) -> dict[str, Any]:
         """The tuned options of `policy` for this tree and device ({} where none apply)."""
@@ -77,6 +96,18 @@ class PolicyDefaults:
         return dict(tuned.options)
 
 
+    def values_for(self, tree: tuple[int, int, int], device: str) -> str | None:
+        """The model's chosen value model for this tree and device (None where none applies)."""
+        v = self.values
+        if v is None:
+            return None
+        if v.tree != tuple(tree) or v.device != device:
+            log.info("values=%r was chosen for tree %s on %s; this run drafts %s on %s, so 'calibrated' applies",
+                     v.kind, v.tree, v.device, tree, device)
+            return None
+        return v.kind
+
+
 def _entry(path: Path, name: str, e: Any) -> TunedOptions:
     where = f"policy defaults {path}, policy {name!r}"
     if name not in POLICIES:
@@ -87,21 +118,48 @@ def _entry(path: Path, name: str, e: Any) -> TunedOptions:
     unknown = sorted(set(e["options"]) - known)
     if unknown:
         raise ValueError(f"{where}: unknown options {unknown}; the policy takes {sorted(known)}")
+    tree, device = _where(where, e)
+    record = {k: v for k, v in e.items() if k not in ("options", "tree", "device")}
+    return TunedOptions(dict(e["options"]), tree, device, record)
+
+
+def _values_entry(path: Path, e: Any) -> TunedValues:
+    from .core.values import VALUE_KINDS
+
+    where = f"policy defaults {path}, 'values'"
+    if not isinstance(e, dict) or e.get("kind") not in VALUE_KINDS:
+        raise ValueError(f"{where}: needs 'kind', one of {', '.join(VALUE_KINDS)}")
+    tree, device = _where(where, e)
+    return TunedValues(e["kind"], tree, device, {k: v for k, v in e.items() if k not in ("kind", "tree", "device")})
+
+
+def _where(where: str, e: dict) -> tuple[tuple[int, int, int], str]:
+    """An entry's (tree, device): the setting it was chosen in."""
     tree = e.get("tree")
     if not (isinstance(tree, list) and len(tree) == 3 and all(isinstance(x, int) and x > 0 for x in tree)):
         raise ValueError(f"{where}: 'tree' must be [steps, topk, max_draft_tokens], got {tree!r}")
     if not isinstance(e.get("device"), str):
         raise ValueError(f"{where}: 'device' must be a string")
-    record = {k: v for k, v in e.items() if k not in ("options", "tree", "device")}
-    return TunedOptions(dict(e["options"]), tuple(tree), e["device"], record)
+    return tuple(tree), e["device"]
 
 
 def with_tuned_options(policy: str, given: dict[str, Any], path: Path | None, model_id: str,
                        tree: tuple[int, int, int], device: str) -> dict[str, Any]:
     """`given` (the user's policy options) completed by the model's tuned ones where the user set none."""
+    defaults = _load_for(path, model_id)
+    return dict(given) if defaults is None else {**defaults.options_for(policy, tree, device), **given}
+
+
+def chosen_values(path: Path | None, model_id: str, tree: tuple[int, int, int], device: str) -> str | None:
+    """The model's chosen value model for this tree and device, None where it chose none."""
+    defaults = _load_for(path, model_id)
+    return None if defaults is None else defaults.values_for(tree, device)
+
+
+def _load_for(path: Path | None, model_id: str) -> PolicyDefaults | None:
     if path is None or not path.is_file():
-        return dict(given)
+        return None
     defaults = PolicyDefaults.load(path)
     if defaults.model_id != model_id:
         raise ValueError(f"policy defaults {path} were tuned for model {defaults.model_id!r}, not {model_id!r}")
-    return {**defaults.options_for(policy, tree, device), **given}
+    return defaults

@@ -24,7 +24,7 @@ from .core.policies import POLICIES
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
 from .policy_defaults import FILE_NAME as POLICY_DEFAULTS_NAME
-from .policy_defaults import with_tuned_options
+from .policy_defaults import chosen_values, with_tuned_options
 
 log = logging.getLogger(__name__)
 __all__ = ["TINY", "ModelPaths", "resolve_config", "resolve_model"]
@@ -62,6 +62,8 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
     paths = resolve_model(str(runtime.model), spec.draft_model, spec.predictor)
     check_target_dir(paths.target)
     tree = spec.tree if spec.tree is not None else default_tree(spec.cost_profile, paths)
+    if spec.values is None:
+        spec = replace(spec, values=_default_values(paths, spec.drafter, tree, device_name(device)))
     if spec.values == "head" and paths.acceptance_head is None:
         raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none "
                          "(use values='calibrated')")
@@ -90,6 +92,16 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         oracle_predictor=spec.predictor == "oracle", tree=tree,
         policy_options=with_tuned_options(policy, spec.policy_options or {}, paths.policy_defaults, paths.model_id,
                                           tree.as_tuple(), device_name(device)))
+
+
+def _default_values(paths: "ModelPaths", drafter: str, tree: TreeConfig, device: str) -> str:
+    """`values=None`: the value model the model chose for this tree and device (its policy_defaults.json,
+    from side-by-side runs), where it can run here (the acceptance head reads the EAGLE-3 drafter); else
+    'calibrated'."""
+    chosen = chosen_values(paths.policy_defaults, paths.model_id, tree.as_tuple(), device)
+    if chosen == "head" and (paths.acceptance_head is None or drafter != "eagle3"):
+        return "calibrated"
+    return chosen or "calibrated"
 
 
 def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:

@@ -73,8 +73,9 @@ def build_parser(prog: str = "moespec bench") -> argparse.ArgumentParser:
     p.add_argument("--guard-ablation", type=_csv(str), default=(),
                    help="ablation: these cost-aware policies again without the speculate-or-not rule and the "
                         "drafting stop rule, e.g. evict,joint")
-    p.add_argument("--values", default="calibrated", help="node values of the cost-aware methods (evict, ecospec, "
-                   "joint, coverage): calibrated, head, or raw (the ablation)")
+    p.add_argument("--values", default=None, help="node values of the cost-aware methods (evict, ecospec, "
+                   "joint, coverage): calibrated, head, or raw (the ablation); default: the model's choice "
+                   "(as `moespec generate`)")
     p.add_argument("--values-sweep", type=_csv(str), default=(), help="ablation: extra columns per cost-aware "
                    "method with these value models, e.g. raw,calibrated,head")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as `moespec profile`; "
@@ -218,13 +219,15 @@ def _warm_prompt(runner, args) -> list[int]:
 def _config(args, tree, specs, runners) -> dict:
     tok = tokenization_note(runners[0].llm.tokenizer) if runners else None
     tree = runners[0].llm.tree if runners else tree  # None given: the model's, which every method resolved alike
+    values = {r.spec.label: r.llm.values_name for r in runners}  # as resolved (None given: the model's choice)
     return {"model": args.model, "draft_model": args.draft_model, "tree": list(tree.as_tuple()) if tree else None,
             "device": args.device,
             "dtype": args.dtype, "datasets": list(args.datasets), "temperatures": list(args.temperature),
             "num_prompts": args.num_prompts, "repeats": args.repeats, "max_tokens": args.max_tokens, "warmup_tokens": args.warmup_tokens,
             "seed": args.seed, "predictor": args.predictor, "tokenization": tok,
             "methods": [{"label": s.label, "policy": s.policy, "drafter": s.drafter, "policy_options": s.options,
-                         "predictor": s.predictor, "analysis_only": s.analysis_only, "values": s.values,
+                         "predictor": s.predictor, "analysis_only": s.analysis_only,
+                         "values": values.get(s.label, s.values),
                          "llm_options": dict(s.llm_options)} for s in specs],
             "tuned_options": _tuned_options(specs, runners)}
 

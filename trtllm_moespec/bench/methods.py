@@ -25,7 +25,7 @@ class MethodSpec:
     policy_options: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs
     predictor: str | None = None  # None = the model's own predictor; "oracle" = true routing (analysis)
     analysis_only: bool = False  # an upper bound, not a deployable method (its step runs extra target forwards)
-    values: str = "calibrated"  # node values of the cost-aware policies (core/values.py); "raw" = ablation
+    values: str | None = None  # node values of the cost-aware policies (core/values.py); None: the model's choice
     llm_options: tuple[tuple[str, object], ...] = ()  # extra LLM(...) keywords, e.g. (("guard", "off"),)
 
     @property
@@ -100,14 +100,14 @@ class MethodRunner:
 VALUE_POLICIES = ("evict", "ecospec", "joint", "coverage")  # the policies that rank on node values
 
 
-def values_specs(specs: list[MethodSpec], default: str, sweep: tuple[str, ...] = ()) -> list[MethodSpec]:
-    """Apply the default value model to the cost-aware methods, and add one column per swept value
-    model (label `joint[values=raw]`) for each cost-aware base method."""
+def values_specs(specs: list[MethodSpec], default: str | None, sweep: tuple[str, ...] = ()) -> list[MethodSpec]:
+    """Apply the default value model to the cost-aware methods (None: the model's choice, as `LLM`), and add
+    one column per swept value model (label `joint[values=raw]`) for each cost-aware base method."""
     from dataclasses import replace
 
     from ..core.values import VALUE_KINDS
 
-    for v in (default, *sweep):
+    for v in (default, *sweep) if default is not None else sweep:
         if v not in VALUE_KINDS:
             raise ValueError(f"unknown values {v!r}; choose from {', '.join(VALUE_KINDS)}")
     out = [replace(s, values=default) if s.policy in VALUE_POLICIES else s for s in specs]

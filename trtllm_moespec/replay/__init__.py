@@ -196,7 +196,7 @@ def _tune(args, argv) -> int:
         if kept.model_id != paths.model_id:
             raise ValueError(f"{out} holds options tuned for {kept.model_id!r}, these records are of {paths.model_id!r}")
         tuned = TunedOptions({args.option: best.value}, tree.as_tuple(), table.device, record)
-        PolicyDefaults(paths.model_id, {**kept.policies, args.policy: tuned}).save(out)
+        PolicyDefaults(paths.model_id, {**kept.policies, args.policy: tuned}, kept.values).save(out)
     report = {"command": command, "policy": args.policy, "option": args.option, "best": best.value,
               "grid": record["grid"], "cost_profile": table.method}
     groups = list(points[0].speedup)
