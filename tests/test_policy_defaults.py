@@ -99,6 +99,8 @@ def test_the_chosen_values_apply_only_where_the_user_set_none_and_where_they_wer
     assert _resolved_values(values="calibrated") == "calibrated"  # the user's wins
     assert _resolved_values(tree=TreeConfig(4, 8, 32), override_profile=True) == "calibrated"  # chosen for another tree
     assert _resolved_values(drafter="ngram") == "calibrated"  # the head reads the EAGLE-3 drafter
+    own = shipped_model_paths("moespec-base")["draft"]
+    assert _resolved_values(draft_model=own) == "calibrated"  # a drafter given: the head was trained on another's
     assert _resolved_values(model="moespec-tiny") == "calibrated"  # chose none
 
 

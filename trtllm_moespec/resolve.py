@@ -63,7 +63,7 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
     check_target_dir(paths.target)
     tree = spec.tree if spec.tree is not None else default_tree(spec.cost_profile, paths)
     if spec.values is None:
-        spec = replace(spec, values=_default_values(paths, spec.drafter, tree, device_name(device)))
+        spec = replace(spec, values=_default_values(paths, spec, tree, device_name(device)))
     if spec.values == "head" and paths.acceptance_head is None:
         raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none "
                          "(use values='calibrated')")
@@ -94,12 +94,12 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
                                           tree.as_tuple(), device_name(device)))
 
 
-def _default_values(paths: "ModelPaths", drafter: str, tree: TreeConfig, device: str) -> str:
+def _default_values(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, device: str) -> str:
     """`values=None`: the value model the model chose for this tree and device (its policy_defaults.json,
-    from side-by-side runs), where it can run here (the acceptance head reads the EAGLE-3 drafter); else
-    'calibrated'."""
+    from side-by-side runs), where it can run here (the acceptance head reads the hidden state of the
+    model's own EAGLE-3 drafter, which it was trained on); else 'calibrated'."""
     chosen = chosen_values(paths.policy_defaults, paths.model_id, tree.as_tuple(), device)
-    if chosen == "head" and (paths.acceptance_head is None or drafter != "eagle3"):
+    if chosen == "head" and (paths.acceptance_head is None or spec.drafter != "eagle3" or spec.draft_model is not None):
         return "calibrated"
     return chosen or "calibrated"
 

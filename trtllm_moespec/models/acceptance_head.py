@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.device import to_device
-from ..core.node_features import NGRAM_ORDERS, ContextFollowers, copy_features, sibling_rank
 from ..core.followers_host import copy_flags_of
+from ..core.node_features import NGRAM_ORDERS, ContextFollowers, copy_features, sibling_rank
 from ..core.tree import DraftTree
 from .acceptance_head_host import HostHeadWeights, compiled_head
 
