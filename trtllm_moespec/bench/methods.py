@@ -107,8 +107,8 @@ def values_specs(specs: list[MethodSpec], default: str | None, sweep: tuple[str,
 
     from ..core.values import VALUE_KINDS
 
-    for v in (default, *sweep) if default is not None else sweep:
-        if v not in VALUE_KINDS:
+    for v in (default, *sweep):
+        if v is not None and v not in VALUE_KINDS:
             raise ValueError(f"unknown values {v!r}; choose from {', '.join(VALUE_KINDS)}")
     out = [replace(s, values=default) if s.policy in VALUE_POLICIES else s for s in specs]
     for s in specs:

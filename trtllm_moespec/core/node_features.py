@@ -40,7 +40,7 @@ class ContextFollowers:
         self.context: list[int] = []
         self.seen: dict[int, dict[tuple, set]] = {n: {} for n in orders}
         self.recent: dict[int, dict[tuple, int]] = {n: {} for n in orders}
-        self.table = None  # followers_host.table_of
+        self.table = None  # a followers_host.NgramFollowers, made by followers_host.copy_flags_of
 
     def update(self, context: list[int]) -> None:
         old = len(self.context)

@@ -36,7 +36,7 @@ import torch
 
 from .device import to_device
 from .followers_host import copy_flags_of
-from .node_features import ContextFollowers, copies_recent, sibling_rank
+from .node_features import NGRAM_ORDERS, ContextFollowers, copies_recent, sibling_rank
 from .sampling import SamplingConfig
 from .tree import DraftTree
 from .values_host import MIN_COND, compiled_values
@@ -437,10 +437,10 @@ class _CalibratedRequest:
         N = host.num_nodes
         copies = np.zeros(N, dtype=np.int64)
         if cal.copy and context:  # copies_recent's flags (n = 2), from the compiled n-gram tables (followers_host.py)
-            flags = np.empty((N, 6), dtype=np.float32)
+            flags = np.empty((N, 2 * len(NGRAM_ORDERS)), dtype=np.float32)
             if not copy_flags_of(host, context, self._index, flags, with_seen=False):
                 return None
-            copies[:] = flags[:, 3]
+            copies = flags[:, 2 * NGRAM_ORDERS.index(2) + 1].astype(np.int64)  # n = 2, most recent
         groups, values = np.empty(N, dtype=np.int64), np.empty(N, dtype=np.float32)
         ok = kernel(host.parents[0].numpy(), host.depth[0].numpy(), host.draft_probs[0].numpy(),
                     local[0].numpy(), host.valid[0].numpy(), copies, self.state.maps(), self.state.centers,
