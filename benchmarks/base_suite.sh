@@ -43,7 +43,7 @@ if has replay; then  # held-out: the bench's prompts, which neither training nor
   moespec replay record --model $M --datasets humaneval,mt_bench,gsm8k --num-prompts "${PROMPTS:-8}" --max-tokens 64 \
     --out $R/heldout_t0.safetensors
   moespec replay score $R/heldout_t0.safetensors --policies eagle3,evict,ecospec,joint,coverage \
-    --values raw,calibrated,head --cost fit --hindsight --json "$OUT/replay_heldout.json" --markdown "$OUT/replay_heldout.md"
+    --values raw,calibrated,head --cost fit --hindsight --true-experts --json "$OUT/replay_heldout.json" --markdown "$OUT/replay_heldout.md"
 fi
 if has batch; then
   python -m benchmarks.bench_batch_steps --model $M --batch-sizes 1,4,8 --methods ar,joint,joint-batch,eagle3 \

@@ -4,7 +4,7 @@ then score selection policies and value models offline on exactly those steps.
     moespec replay record --model moespec-tiny --datasets humaneval,mt_bench,gsm8k --num-prompts 8 \\
         --max-tokens 64 --out runs/replay/heldout.safetensors
     moespec replay score FILE --policies eagle3,evict,ecospec,joint,coverage --values raw,calibrated,head \\
-        --cost-profile PROFILE [--cost fit|table] [--hindsight] [--json OUT --markdown OUT]
+        --cost-profile PROFILE [--cost fit|table] [--hindsight] [--true-experts] [--json OUT --markdown OUT]
     moespec replay rank FILE --values raw,calibrated,head --k 1,2,4,8,16 [--json OUT --markdown OUT]
     moespec replay fit-calibrator FILE [FILE ...] --out value_calibrator.json
     moespec replay tune FILE [FILE ...] --policy ecospec --option budget --grid 1,2,3,4,5,6,7,8,10,12 \
@@ -66,6 +66,9 @@ def build_parser(prog: str = "moespec replay") -> argparse.ArgumentParser:
     sc.add_argument("--hindsight", action="store_true",
                     help="also score each value model's order with the best prefix per step in hindsight: the "
                          "bound of any stop rule on those values (the rest of the gap to the oracle is ranking)")
+    sc.add_argument("--true-experts", action="store_true",
+                    help="also score the expert-aware policies (ecospec, joint) on the target's true routing of "
+                         "every node: a perfect expert predictor, the most their expert term can give")
     rk = sub.choices["rank"]
     rk.add_argument("--k", type=_csv(int), default=(1, 2, 4, 8, 16))
     f = sub.add_parser("fit-calibrator", help="fit the value calibrator prior from records")
@@ -262,10 +265,12 @@ def _score(args, argv) -> int:
                                      paths.model_id, tree.as_tuple(), table.device)
         policy = build_policy(name, tree, table, options)
         for kind in (args.values if policy.uses_values else ("raw",)):
-            label = f"{name}[values={kind}]" if policy.uses_values else name
-            tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
-                                     tree.max_draft_tokens)
-            rows.append(tally.as_dict())
+            for true in (False, True) if args.true_experts and policy.reads_experts else (False,):
+                tags = ([f"values={kind}"] if policy.uses_values else []) + (["experts=true"] if true else [])
+                label = f"{name}[{','.join(tags)}]" if tags else name
+                tally, _ = replay_policy(records, label, policy, models[kind] if policy.uses_values else None, cost,
+                                         tree.max_draft_tokens, true_experts=true)
+                rows.append(tally.as_dict())
     if args.hindsight:  # the value order alone (evict's), stopped where the target's verdicts say is best
         order_only = build_policy("evict", tree, table, {})
         for kind in args.values:

@@ -20,13 +20,13 @@ selections and accepted counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..core.cost import CostTable
-from ..core.experts import popcount
+from ..core.experts import ExpertSets, popcount
 from ..core.policies import SelectionPolicy
 from ..core.sampling import SamplingConfig
 from ..core.tree import keep_top_valued, score_order
@@ -57,6 +57,13 @@ class _Draft:
 
     def __init__(self, node_hidden):
         self.node_hidden = node_hidden
+
+
+def with_true_experts(step: StepRecord) -> StepRecord:
+    """The step as a perfect expert predictor would show it: the target's own routing of every node and the root."""
+    predicted = step.experts
+    return replace(step, experts=ExpertSets(step.true_experts, predicted.num_layers, predicted.num_experts),
+                   root_experts=step.root_true_experts)
 
 
 def true_values(step: StepRecord) -> torch.Tensor:
@@ -136,14 +143,18 @@ class PolicyTally:
 
 def replay_policy(records: ReplayFile, label: str, policy: SelectionPolicy | None, value_model, cost: StepCost,
                   max_nodes: int, seed: int = 0, steps: list[int] | None = None,
-                  hindsight: bool = False) -> tuple[PolicyTally, list[list[int]]]:
+                  hindsight: bool = False, true_experts: bool = False) -> tuple[PolicyTally, list[list[int]]]:
     """Score one policy (None = the oracle selection) over the steps; returns the tally and each step's selection.
-    `hindsight`: instead of the policy's own stop, the best prefix of its value order (`best_prefix`)."""
+    `hindsight`: instead of the policy's own stop, the best prefix of its value order (`best_prefix`).
+    `true_experts`: an expert-aware policy reads the target's true routing of every node instead of the
+    recorded prediction (a perfect predictor: the most its expert term can give on these steps)."""
     tally, selections = PolicyTally(label), []
     state, request = None, None
     rng = np.random.default_rng(seed)
     for s in (range(records.num_steps) if steps is None else steps):
         step = records.step(s)
+        if true_experts:
+            step = with_true_experts(step)
         if step.request != request:
             request = step.request
             uses = policy is not None and policy.uses_values and value_model is not None
