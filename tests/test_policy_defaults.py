@@ -10,7 +10,7 @@ import pytest
 from trtllm_moespec.assets import shipped_model_paths
 from trtllm_moespec.config import MoESpecConfig, RuntimeConfig
 from trtllm_moespec.engine.config import TreeConfig
-from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, chosen_values, with_tuned_options
+from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, chosen_guard_prior, chosen_values, with_tuned_options
 from trtllm_moespec.resolve import resolve_config
 
 BASE_TUNING = shipped_model_paths("moespec-base")["policy_defaults"]
@@ -111,3 +111,30 @@ def test_chosen_values_for_another_device_do_not_apply(tmp_path):
     assert chosen_values(path, "m", (6, 8, 32), "cpu") is None
     assert chosen_values(path, "m", (6, 8, 32), "cuda:NVIDIA H200") == "raw"
     assert chosen_values(None, "m", (6, 8, 32), "cpu") is None
+
+
+def test_moespec_base_ships_a_sampled_guard_prior_from_an_unguarded_run():
+    g = PolicyDefaults.load(BASE_TUNING).guard
+    assert g.tree == (6, 8, 32) and g.device == "cpu" and g.sampled.temperature == 1.0
+    assert g.sampled.tokens_per_step / g.sampled.step_ratio < 1.0  # sampled speculation loses on this model
+    assert "guard=off" in g.record["measured_as"] and g.record["evidence"].endswith("bench.md")
+
+
+def test_the_guard_prior_applies_only_with_the_models_drafter_on_its_tree_and_device(tmp_path):
+    def prior(model="moespec-base", **spec):
+        return resolve_config(MoESpecConfig(policy="joint", **spec), RuntimeConfig(model=model)).guard_prior
+
+    assert prior() == PolicyDefaults.load(BASE_TUNING).guard.sampled
+    assert prior(tree=TreeConfig(4, 8, 32), override_profile=True) is None
+    assert prior(draft_model=shipped_model_paths("moespec-base")["draft"]) is None
+    assert prior(drafter="ngram") is None
+    assert prior(model="moespec-tiny") is None
+    path = tmp_path / "policy_defaults.json"
+    entry = {"sampled": {"tokens_per_step": 1.2, "step_ratio": 2.0}, "tree": [6, 8, 32], "device": "cuda:NVIDIA H200"}
+    path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "guard": entry}))
+    assert chosen_guard_prior(path, "m", (6, 8, 32), "cpu") is None
+    assert chosen_guard_prior(path, "m", (6, 8, 32), "cuda:NVIDIA H200").tokens_per_step == 1.2
+    entry["sampled"]["step_ratio"] = -1
+    path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "guard": entry}))
+    with pytest.raises(ValueError, match="'guard': 'sampled': SampledPrior.step_ratio must be"):
+        PolicyDefaults.load(path)

@@ -129,7 +129,7 @@ def _guard(config: ResolvedConfig):
     profile = config.rules_profile
     table = profile.costs if profile is not None else None
     plain = profile.plain_step if profile is not None else None
-    return Guard(GuardConfig(measured=config.guard == "measured"), table, plain)
+    return Guard(GuardConfig(measured=config.guard == "measured"), table, plain, config.guard_prior)
 
 
 def _stop_rule(config: ResolvedConfig):

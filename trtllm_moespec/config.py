@@ -26,6 +26,7 @@ from .engine.config import TreeConfig
 if TYPE_CHECKING:
     import torch
 
+    from .engine.guard import SampledPrior
     from .resolve import ModelPaths
 
 METHODS = tuple(sorted(set(POLICIES) | {"ddd"}))  # the policies LLM(policy=...) accepts
@@ -138,6 +139,7 @@ class ResolvedConfig:
     oracle_predictor: bool  # experts from the target itself (analysis only)
     tree: TreeConfig  # resolved: the given tree, else the model's (`resolve.default_tree`)
     policy_options: dict[str, Any] = field(default_factory=dict)  # before EP's placement is added
+    guard_prior: "SampledPrior | None" = None  # the measured guard's start for sampled requests (the model's own)
 
     @property
     def policy(self) -> str:

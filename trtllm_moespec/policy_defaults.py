@@ -13,7 +13,10 @@ tree and device it was tuned for are the ones in use (else the policy's own defa
      "values": {"kind": "head", "tree": [6, 8, 32], "device": "cpu", "made_by": "moespec bench ..."}}
 
 The optional "values" entry is the node-value model `values=None` (the default) resolves to for that tree
-and device, chosen from side-by-side runs of the value models (elsewhere: "calibrated").
+and device, chosen from side-by-side runs of the value models (elsewhere: "calibrated"). The optional "guard"
+entry is the goodput guard's prior for sampled requests on that tree and device with the model's own drafter
+(engine/guard.py `SampledPrior`: {"sampled": {"tokens_per_step": ..., "step_ratio": ..., "temperature": 1.0},
+"tree": ..., "device": ..., and how it was measured}).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .core.policies import POLICIES
+
+if TYPE_CHECKING:
+    from .engine.guard import SampledPrior
 
 log = logging.getLogger(__name__)
 FORMAT = "moespec-policy-defaults/1"
@@ -53,10 +59,21 @@ class TunedValues:
 
 
 @dataclass(frozen=True)
+class TunedGuard:
+    """The goodput guard's prior for sampled requests (engine/guard.py `SampledPrior`), and where it holds."""
+
+    sampled: "SampledPrior"
+    tree: tuple[int, int, int]  # (steps, topk, max_draft_tokens) it was measured on
+    device: str  # the cost profile's device it was measured with
+    record: dict[str, Any]  # how it was measured: command, the run it comes from (for readers)
+
+
+@dataclass(frozen=True)
 class PolicyDefaults:
     model_id: str
     policies: dict[str, TunedOptions]
     values: TunedValues | None = None
+    guard: TunedGuard | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> "PolicyDefaults":
@@ -73,7 +90,8 @@ class PolicyDefaults:
         if not isinstance(entries, dict) or not isinstance(raw.get("model_id"), str):
             raise ValueError(f"policy defaults {path}: needs 'model_id' (a string) and 'policies' (an object)")
         values = _values_entry(path, raw["values"]) if "values" in raw else None
-        return cls(raw["model_id"], {name: _entry(path, name, e) for name, e in entries.items()}, values)
+        guard = _guard_entry(path, raw["guard"]) if "guard" in raw else None
+        return cls(raw["model_id"], {name: _entry(path, name, e) for name, e in entries.items()}, values, guard)
 
     def save(self, path: str | Path) -> None:
         policies = {name: {"options": t.options, "tree": list(t.tree), "device": t.device, **t.record}
@@ -82,6 +100,9 @@ class PolicyDefaults:
         if self.values is not None:
             v = self.values
             out["values"] = {"kind": v.kind, "tree": list(v.tree), "device": v.device, **v.record}
+        if self.guard is not None:
+            g = self.guard
+            out["guard"] = {"sampled": dataclasses.asdict(g.sampled), "tree": list(g.tree), "device": g.device, **g.record}
         Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
     def options_for(self, policy: str, tree: tuple[int, int, int], device: str) -> dict[str, Any]:
@@ -106,6 +127,18 @@ class PolicyDefaults:
                      v.kind, v.tree, v.device, tree, device)
             return None
         return v.kind
+
+
+    def guard_prior_for(self, tree: tuple[int, int, int], device: str) -> "SampledPrior | None":
+        """The guard's sampled prior for this tree and device (None where none applies)."""
+        g = self.guard
+        if g is None:
+            return None
+        if g.tree != tuple(tree) or g.device != device:
+            log.info("the guard's sampled prior was measured for tree %s on %s; this run drafts %s on %s, so sampled "
+                     "requests learn it", g.tree, g.device, tree, device)
+            return None
+        return g.sampled
 
 
 def _entry(path: Path, name: str, e: Any) -> TunedOptions:
@@ -133,6 +166,21 @@ def _values_entry(path: Path, e: Any) -> TunedValues:
     return TunedValues(e["kind"], tree, device, {k: v for k, v in e.items() if k not in ("kind", "tree", "device")})
 
 
+def _guard_entry(path: Path, e: Any) -> TunedGuard:
+    from .engine.guard import SampledPrior
+
+    where = f"policy defaults {path}, 'guard'"
+    sampled = e.get("sampled") if isinstance(e, dict) else None
+    if not isinstance(sampled, dict):
+        raise ValueError(f"{where}: needs 'sampled' (an object: tokens_per_step, step_ratio, temperature)")
+    try:
+        prior = SampledPrior(**sampled)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: 'sampled': {err}") from None
+    tree, device = _where(where, e)
+    return TunedGuard(prior, tree, device, {k: v for k, v in e.items() if k not in ("sampled", "tree", "device")})
+
+
 def _where(where: str, e: dict) -> tuple[tuple[int, int, int], str]:
     """An entry's (tree, device): the setting it was chosen in."""
     tree = e.get("tree")
@@ -154,6 +202,12 @@ def chosen_values(path: Path | None, model_id: str, tree: tuple[int, int, int], 
     """The model's chosen value model for this tree and device, None where it chose none."""
     defaults = _load_for(path, model_id)
     return None if defaults is None else defaults.values_for(tree, device)
+
+
+def chosen_guard_prior(path: Path | None, model_id: str, tree: tuple[int, int, int], device: str) -> "SampledPrior | None":
+    """The model's guard prior for sampled requests on this tree and device, None where it has none."""
+    defaults = _load_for(path, model_id)
+    return None if defaults is None else defaults.guard_prior_for(tree, device)
 
 
 def _load_for(path: Path | None, model_id: str) -> PolicyDefaults | None:

@@ -24,7 +24,7 @@ from .core.policies import POLICIES
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
 from .policy_defaults import FILE_NAME as POLICY_DEFAULTS_NAME
-from .policy_defaults import chosen_values, with_tuned_options
+from .policy_defaults import chosen_guard_prior, chosen_values, with_tuned_options
 
 log = logging.getLogger(__name__)
 __all__ = ["TINY", "ModelPaths", "resolve_config", "resolve_model"]
@@ -91,7 +91,8 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         ddd_threshold=spec.ddd_threshold if spec.ddd_threshold is not None else (0.3 if policy == "ddd" else None),
         oracle_predictor=spec.predictor == "oracle", tree=tree,
         policy_options=with_tuned_options(policy, spec.policy_options or {}, paths.policy_defaults, paths.model_id,
-                                          tree.as_tuple(), device_name(device)))
+                                          tree.as_tuple(), device_name(device)),
+        guard_prior=_guard_prior(paths, spec, tree, device_name(device)))
 
 
 def _default_values(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, device: str) -> str:
@@ -102,6 +103,14 @@ def _default_values(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, 
     if chosen == "head" and (paths.acceptance_head is None or spec.drafter != "eagle3" or spec.draft_model is not None):
         return "calibrated"
     return chosen or "calibrated"
+
+
+def _guard_prior(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, device: str):
+    """The model's measured guard prior for sampled requests (engine/guard.py `SampledPrior`) for this tree and
+    device, with the model's own EAGLE-3 drafter, which measured it (None elsewhere)."""
+    if spec.drafter != "eagle3" or spec.draft_model is not None:
+        return None
+    return chosen_guard_prior(paths.policy_defaults, paths.model_id, tree.as_tuple(), device)
 
 
 def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:

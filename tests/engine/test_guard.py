@@ -287,7 +287,7 @@ class ScriptedGuard:
     def __init__(self, pattern):
         self.pattern = pattern
 
-    def start(self, greedy=True):
+    def start(self, greedy=True, sampling=None, constrained=False):
         return _Scripted(self.pattern)
 
 
@@ -382,7 +382,7 @@ def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_guards_step_t
     source.catch_up = slow_catch_up
     state = _Scripted([True, False, False, False, True, True])
     llm.engine.guard = ScriptedGuard(None)
-    llm.engine.guard.start = lambda greedy=True: state
+    llm.engine.guard.start = lambda greedy=True, sampling=None, constrained=False: state
     out = llm.generate([PROMPT], SamplingParams(max_tokens=20, ignore_eos=True))[0]
     assert out.token_ids == reference["qwen3_moe"]
     switched = [i for i, s in enumerate(out.steps) if s.speculated and i > 0 and not out.steps[i - 1].speculated]
@@ -448,3 +448,55 @@ def test_drafter_starts_only_when_the_request_first_speculates(checkpoints, refe
     assert calls and any(s.speculated for s in late.steps)
     llm.engine.guard = None
     assert late.token_ids == llm.generate([PROMPT], params)[0].token_ids
+
+
+def test_a_sampled_prior_declines_before_any_speculative_step_and_probes_on_the_budget():
+    """With a model's prior saying a sampled speculative step commits 1.3 tokens for 2.1 plain steps, the
+    engine's first sampled request measures one plain step and decodes plainly until its first budgeted
+    probe (the loss of 0.8 plain steps within 0.5% of the plain time: 160 steps); the probe's step then
+    counts as measured. Requests the prior does not describe learn as before."""
+    from trtllm_moespec.core.sampling import SamplingConfig
+    from trtllm_moespec.engine.guard import SampledPrior
+
+    prior = SampledPrior(tokens_per_step=1.3, step_ratio=2.1, temperature=1.0)
+    t1 = SamplingConfig(temperature=1.0)
+    s = Guard(GuardConfig(), prior=prior).start(greedy=False, sampling=t1)
+    decisions = []
+    for _ in range(170):
+        d = s.speculate()
+        decisions.append(d)
+        _feed(s, d, 1, 0.021 if d else 0.010)
+    assert decisions.index(True) == 160 and decisions.count(True) == 1
+    assert s.spec_s.known and s.spec_seconds() == pytest.approx(0.021)  # the probe replaced the prior's price
+    # Not described by the prior: a cooler temperature, truncation, logit rules or grammar, greedy requests.
+    for sampling, constrained in ((SamplingConfig(temperature=0.7), False), (SamplingConfig(1.0, top_p=0.9), False),
+                                  (SamplingConfig(1.0, top_k=20), False), (t1, True)):
+        assert Guard(GuardConfig(), prior=prior).start(greedy=False, sampling=sampling, constrained=constrained).speculate()
+    assert Guard(GuardConfig(), prior=prior).start(greedy=True, sampling=SamplingConfig()).speculate()
+    # A prior that says speculation pays speculates after the one plain step that prices it.
+    s = Guard(GuardConfig(), prior=SampledPrior(3.0, 2.1)).start(greedy=False, sampling=t1)
+    assert not s.speculate()
+    _feed(s, False, 1, 0.010)
+    assert s.speculate()
+    with pytest.raises(ValueError, match="tokens_per_step must be a finite number >= 1"):
+        SampledPrior(0.5, 2.0)
+    with pytest.raises(ValueError, match="step_ratio must be a finite number > 0"):
+        SampledPrior(1.3, float("nan"))
+
+
+def test_moespec_base_starts_sampled_requests_from_its_prior_and_stays_lossless():
+    """moespec-base ships the prior (its policy_defaults.json): a seeded T=1 request decodes exactly `ar`'s text
+    (the position-keyed sampler: a token's random number depends on its seed and position only) with no
+    speculative step; without the prior the same request speculates to learn."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    ar = LLM("moespec-base", policy="ar")
+    joint = LLM("moespec-base", policy="joint", target_model=ar.target)
+    assert joint.engine.guard.prior is not None
+    prompt = joint.encode(["def is_prime(n):\n"])[0]
+    out = joint.generate([prompt], params)[0]
+    assert out.token_ids == ar.generate([prompt], params)[0].token_ids
+    assert not any(s.verified_tokens for s in out.steps)
+    unprimed = LLM("moespec-base", policy="joint", target_model=ar.target)
+    unprimed.engine.guard.prior = None
+    learning = unprimed.generate([prompt], params)[0]
+    assert any(s.verified_tokens for s in learning.steps)

@@ -116,7 +116,7 @@ def test_scout_hits_are_the_drafters_guesses_at_the_skipped_steps_and_the_output
     source.scout = lambda state, top=1: time.sleep(0.2) or scout(state, top)
     script = "SPPPPPPNPPYSSSSSSSSSSSS"
     state = _ScoutScript(script)
-    llm.engine.guard = type("Scripted", (), {"start": lambda self, greedy=True: state})()
+    llm.engine.guard = type("Scripted", (), {"start": lambda self, *args, **kwargs: state})()
     prompt = llm.encode(["def fib(n):\n"])[0]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
@@ -253,7 +253,7 @@ def test_greedy_scout_hits_are_the_committed_tokens_rank_among_the_drafters_top_
             return self.step == "H"
 
     state = Greedy("SPPPGPPPPHSSSSSSSSSSSS")
-    llm.engine.guard = type("Scripted", (), {"start": lambda self, greedy=True: state})()
+    llm.engine.guard = type("Scripted", (), {"start": lambda self, *args, **kwargs: state})()
     prompt = llm.encode(["def fib(n):\n"])[0]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     out = llm.generate([prompt], params)[0]

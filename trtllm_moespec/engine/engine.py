@@ -107,7 +107,10 @@ class SpecEngine:
             return
         yield [root]
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
-        guard = self.guard.start(request.sampling.temperature == 0) if self.guard is not None else None
+        guard = None
+        if self.guard is not None:
+            guard = self.guard.start(request.sampling.temperature == 0, request.sampling,
+                                     constrained=request.history is not None or request.grammar is not None)
         if values is not None and self.values.name != "head":  # the drafting stop rule ranks on the same values
             drafter.node_values = lambda tree: values.values(tree)
         while True:

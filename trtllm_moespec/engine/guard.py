@@ -78,6 +78,16 @@ while it lost). Measured with
 tokens/s without it, 81 with it (speculating every step: 79), with 71% and 88% of the steps speculative;
 T=1 55 -> 54 (the same 0-2 speculative steps per prompt).
 
+A model may ship a prior for sampled requests (`SampledPrior`, its policy_defaults.json's "guard" entry: what an
+unguarded run at T=1 on its tree and device committed per speculative step, and what that step cost in plain steps).
+Where it applies (an engine's first sampled request at that temperature or above, untruncated, without logit rules or
+grammar) the engine's sampled memory starts from it as if it had measured `min_spec_steps` such steps: the request
+decodes one plain step, prices a speculative step as the prior's ratio of it, and where that loses never speculates
+before its first budgeted probe. Without it an engine's first sampled request spent its first speculative steps
+learning what the model could have told it: on moespec-base a one-shot `moespec generate --temperature 1` ran 0.78x
+`ar` (three learning steps of ~45 ms that each committed one token, and the first drafting's one-time ~0.3 s). Greedy
+requests never use a prior: there speculation pays, and they learn while it does.
+
 Lossless: the decision uses only past steps (their outcomes and timings), never the
 current step's random numbers; a plain step is verified by the same rule as `ar`.
 """
@@ -137,6 +147,29 @@ def greedy_scout_tokens(hits, depth: int) -> float | None:
         return None
     h = sum(hits) / len(hits)
     return sum(h ** d for d in range(depth + 1))
+
+
+@dataclass(frozen=True)
+class SampledPrior:
+    """What a model measured of sampled speculation on its tree and device (module docstring): an engine's sampled
+    requests start from it instead of learning it with losing speculative steps."""
+
+    tokens_per_step: float  # committed tokens per speculative step of an unguarded run at `temperature`
+    step_ratio: float  # that run's seconds per speculative step over `ar`'s per plain step
+    temperature: float = 1.0  # requests at this temperature or above, untruncated, start from it
+
+    def __post_init__(self) -> None:
+        for name, ok, rule in (("tokens_per_step", lambda v: v >= 1.0, ">= 1 (a step commits its bonus token)"),
+                               ("step_ratio", lambda v: v > 0, "> 0"), ("temperature", lambda v: v > 0, "> 0")):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
+                raise ValueError(f"SampledPrior.{name} must be a finite number {rule}, got {v!r}")
+
+    def covers(self, sampling, constrained: bool = False) -> bool:
+        """Does the prior describe this request's acceptance? Its temperature or above, no top-k / top-p /
+        min-p truncation (which raise acceptance), no logit rules or grammar (`constrained`)."""
+        return (not constrained and sampling.temperature >= self.temperature and sampling.top_k == 0
+                and sampling.top_p == 1.0 and sampling.min_p == 0.0)
 
 
 @dataclass(frozen=True)
@@ -278,23 +311,32 @@ class GuardMemory:
     scout_s: Ewma = field(default_factory=Ewma)  # seconds per scout (its drafter catch-up)
     catch_up_s: Ewma = field(default_factory=Ewma)  # seconds of the drafter's catch-up before a speculative step
     scout_pass_rate: float = 0.5  # running share of scouts that let their probe run (prior: even odds)
+    # A model's prior (SampledPrior.step_ratio): a speculative step's seconds as this many plain steps, until one is measured
+    spec_ratio: float | None = None
 
 
 class Guard:
     """Per-engine factory of per-request guard states (holds the config, costs and memory)."""
 
     def __init__(self, config: GuardConfig = GuardConfig(), cost_table: tuple[float, ...] | None = None,
-                 plain_step_s: float | None = None):
+                 plain_step_s: float | None = None, prior: SampledPrior | None = None):
         if not config.measured and (cost_table is None or plain_step_s is None):
             raise ValueError("the profiled speculate-or-not rule needs a cost table with a plain-step cost "
                              "(re-profile with `moespec profile`)")
         self.config, self.cost_table, self.plain_step_s = config, cost_table, plain_step_s
+        self.prior = prior if config.measured else None  # the profiled rule prices steps from the profile
         self.memories: dict[bool, GuardMemory] = {}  # keyed by greedy (T = 0) or not
 
-    def start(self, greedy: bool = True) -> "GuardState":
+    def start(self, greedy: bool = True, sampling=None, constrained: bool = False) -> "GuardState":
+        """A request's guard state (`sampling`, `constrained`: whether the model's sampled prior describes it,
+        read when the engine's first sampled request starts)."""
         if bool(greedy) not in self.memories:  # step times: the first min_spec_steps of each kind set them
             warm = self.config.min_spec_steps
-            self.memories[bool(greedy)] = GuardMemory(spec_s=Ewma(warmup=warm), plain_s=Ewma(warmup=warm))
+            memory = GuardMemory(spec_s=Ewma(warmup=warm), plain_s=Ewma(warmup=warm))
+            if not greedy and self.prior is not None and sampling is not None and self.prior.covers(sampling, constrained):
+                memory.spec_tokens = Ewma(self.prior.tokens_per_step, warm)  # as if min_spec_steps were measured
+                memory.spec_ratio = self.prior.step_ratio
+            self.memories[bool(greedy)] = memory
         return GuardState(self, self.memories[bool(greedy)], greedy)
 
 
@@ -327,13 +369,22 @@ class GuardState:
     def pays(self) -> bool | None:
         """Does speculation beat plain decoding on the current estimates? None while unknown (the plain
         cost not measured yet, or fewer than `min_spec_steps` speculative steps seen by the engine)."""
-        if not (self.spec_tokens.known and self.spec_s.known and self.plain_s.known):
+        spec_s = self.spec_seconds()
+        if not (self.spec_tokens.known and spec_s is not None and self.plain_s.known):
             return None
         if self.memory.spec_tokens.count < self.config.min_spec_steps:
             return None
         held = self.greedy and not self.declined  # the hold is for greedy requests (GuardConfig.hold)
         margin = self.config.margin - (self.config.hold if held else 0.0)
-        return speculation_pays(self.spec_tokens.value, self.spec_s.value, self.plain_s.value, margin)
+        return speculation_pays(self.spec_tokens.value, spec_s, self.plain_s.value, margin)
+
+    def spec_seconds(self) -> float | None:
+        """Seconds per speculative step: measured, else the model's prior ratio of the measured plain step
+        (None: neither yet)."""
+        if self.spec_s.known:
+            return self.spec_s.value
+        ratio = self.memory.spec_ratio
+        return ratio * self.plain_s.value if ratio is not None and self.plain_s.known else None
 
     def speculate(self) -> bool:
         """Decide the next step (before any drafting)."""
@@ -341,6 +392,8 @@ class GuardState:
         self.declined = pays is False
         if pays is None:  # learn: speculate until measured, then one plain step if its cost is unknown
             self.probing = False
+            if self.memory.spec_ratio is not None and not self.plain_s.known:
+                return False  # a prior prices speculation in plain steps: measure one first
             return not self.spec_s.known or self.plain_s.known
         if pays:
             self.probing = False
@@ -357,7 +410,9 @@ class GuardState:
     def budget_steps(self) -> int:
         """The fewest plain steps between probes that keep a losing probe's cost within the overhead budget
         of those steps (`probe_overhead`, or `winning_probe_overhead` x the probe win rate when larger)."""
-        plain, loss = self.plain_s.value, self.spec_s.value - self.spec_tokens.value * self.plain_s.value
+        spec_s = self.spec_seconds()
+        plain = self.plain_s.value
+        loss = math.nan if spec_s is None else spec_s - self.spec_tokens.value * plain
         if not (plain > 0 and loss > 0):
             return 0
         m = self.memory
@@ -436,8 +491,9 @@ class GuardState:
         self.first_hits.extend(first_hits)
         m = self.memory
         expected = self.expected_tokens()
-        passes = expected is None or speculation_pays(expected, self.spec_s.value, self.plain_s.value,
-                                                      self.config.margin)
+        spec_s = self.spec_seconds()
+        passes = expected is None or spec_s is None or speculation_pays(expected, spec_s, self.plain_s.value,
+                                                                         self.config.margin)
         m.scout_pass_rate += PROBE_WIN_WEIGHT * (float(passes) - m.scout_pass_rate)
         if not passes:
             self.num_scouts_stopped += 1

@@ -41,7 +41,7 @@ class ForcedGuard:
     def wants_scout(self, speculate: bool) -> bool:
         return False  # no probes, so no scouts
 
-    def start(self, greedy: bool = True) -> "ForcedGuard":
+    def start(self, greedy: bool = True, sampling=None, constrained: bool = False) -> "ForcedGuard":
         return self
 
     def speculate(self) -> bool:
