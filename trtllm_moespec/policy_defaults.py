@@ -102,7 +102,8 @@ class PolicyDefaults:
             out["values"] = {"kind": v.kind, "tree": list(v.tree), "device": v.device, **v.record}
         if self.guard is not None:
             g = self.guard
-            out["guard"] = {"sampled": dataclasses.asdict(g.sampled), "tree": list(g.tree), "device": g.device, **g.record}
+            out["guard"] = {"sampled": dataclasses.asdict(g.sampled), "tree": list(g.tree), "device": g.device,
+                            **g.record}
         Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
     def options_for(self, policy: str, tree: tuple[int, int, int], device: str) -> dict[str, Any]:
@@ -127,7 +128,6 @@ class PolicyDefaults:
                      v.kind, v.tree, v.device, tree, device)
             return None
         return v.kind
-
 
     def guard_prior_for(self, tree: tuple[int, int, int], device: str) -> "SampledPrior | None":
         """The guard's sampled prior for this tree and device (None where none applies)."""
@@ -204,7 +204,8 @@ def chosen_values(path: Path | None, model_id: str, tree: tuple[int, int, int], 
     return None if defaults is None else defaults.values_for(tree, device)
 
 
-def chosen_guard_prior(path: Path | None, model_id: str, tree: tuple[int, int, int], device: str) -> "SampledPrior | None":
+def chosen_guard_prior(path: Path | None, model_id: str, tree: tuple[int, int, int],
+                       device: str) -> "SampledPrior | None":
     """The model's guard prior for sampled requests on this tree and device, None where it has none."""
     defaults = _load_for(path, model_id)
     return None if defaults is None else defaults.guard_prior_for(tree, device)

@@ -471,7 +471,8 @@ def test_a_sampled_prior_declines_before_any_speculative_step_and_probes_on_the_
     # Not described by the prior: a cooler temperature, truncation, logit rules or grammar, greedy requests.
     for sampling, constrained in ((SamplingConfig(temperature=0.7), False), (SamplingConfig(1.0, top_p=0.9), False),
                                   (SamplingConfig(1.0, top_k=20), False), (t1, True)):
-        assert Guard(GuardConfig(), prior=prior).start(greedy=False, sampling=sampling, constrained=constrained).speculate()
+        state = Guard(GuardConfig(), prior=prior).start(greedy=False, sampling=sampling, constrained=constrained)
+        assert state.speculate()
     assert Guard(GuardConfig(), prior=prior).start(greedy=True, sampling=SamplingConfig()).speculate()
     # A prior that says speculation pays speculates after the one plain step that prices it.
     s = Guard(GuardConfig(), prior=SampledPrior(3.0, 2.1)).start(greedy=False, sampling=t1)

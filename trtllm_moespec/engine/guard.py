@@ -311,7 +311,7 @@ class GuardMemory:
     scout_s: Ewma = field(default_factory=Ewma)  # seconds per scout (its drafter catch-up)
     catch_up_s: Ewma = field(default_factory=Ewma)  # seconds of the drafter's catch-up before a speculative step
     scout_pass_rate: float = 0.5  # running share of scouts that let their probe run (prior: even odds)
-    # A model's prior (SampledPrior.step_ratio): a speculative step's seconds as this many plain steps, until one is measured
+    # A model's prior (SampledPrior.step_ratio): a speculative step's seconds as this many plain steps, until measured
     spec_ratio: float | None = None
 
 
@@ -333,9 +333,10 @@ class Guard:
         if bool(greedy) not in self.memories:  # step times: the first min_spec_steps of each kind set them
             warm = self.config.min_spec_steps
             memory = GuardMemory(spec_s=Ewma(warmup=warm), plain_s=Ewma(warmup=warm))
-            if not greedy and self.prior is not None and sampling is not None and self.prior.covers(sampling, constrained):
-                memory.spec_tokens = Ewma(self.prior.tokens_per_step, warm)  # as if min_spec_steps were measured
-                memory.spec_ratio = self.prior.step_ratio
+            prior = self.prior
+            if not greedy and prior is not None and sampling is not None and prior.covers(sampling, constrained):
+                memory.spec_tokens = Ewma(prior.tokens_per_step, warm)  # as if min_spec_steps were measured
+                memory.spec_ratio = prior.step_ratio
             self.memories[bool(greedy)] = memory
         return GuardState(self, self.memories[bool(greedy)], greedy)
 
