@@ -190,9 +190,10 @@ def test_a_batch_of_guarded_requests_is_guarded(checkpoints):
         assert llm.engine.guard is None and BatchedEngine(llm.engine, 4).guard is None
     # A speculative step that loses to plain decoding: the guard decides the batch's next steps plainly.
     engine = BatchedEngine(joint.engine, 4)
-    for _ in range(engine.guard.min_spec_steps):
-        engine.guard.record(2, True, 2, 0.100)
-    engine.guard.record(2, False, 2, 0.010)
+    greedy = engine.guard.of(True, [])  # greedy batches' guard (sampled ones have their own: GuardsByKind)
+    for _ in range(greedy.min_spec_steps):
+        greedy.record(2, True, 2, 0.100)
+    greedy.record(2, False, 2, 0.010)
     requests = [joint.make_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS[:2]]
     _drive(engine, requests)
     assert all(not s.verified_tokens for r in requests for s in r.steps)

@@ -264,3 +264,38 @@ def test_scouts_that_call_no_winning_probe_are_spaced_out_to_the_fixed_budget():
         plain += 1
     # the first once a probe is affordable (30 plain steps), then 0.001 s within 10% x 0.375, 0.28, ... of theirs
     assert gaps[:9] == [29, 3, 4, 5, 7, 9, 10, 10, 10]
+
+
+def test_a_sampled_prior_prices_speculation_from_the_first_plain_step_and_waits_for_the_budgeted_probe():
+    """With a model's prior (1.3 tokens per speculative step, each 2.1 plain steps) a sampled batch decodes one
+    plain step, finds speculation losing (1.3 / 2.1 of plain's goodput) and probes only once that probe's loss fits
+    the budget: 2.1 x (1 - 1.3 / 2.1) = 0.8 plain steps within 1% of the plain time, 80 steps."""
+    from trtllm_moespec.engine.guard import SampledPrior
+
+    guard = GoodputGuard(alpha=0.3, probe_overhead=0.01, prior=SampledPrior(1.3, 2.1))
+    choices = []
+    for _ in range(90):
+        spec = guard.speculate(4)
+        choices.append(spec)
+        guard.record(4, spec, 4 if not spec else 6, 0.1 if not spec else 0.21)
+    assert choices.index(True) == 81 and choices.count(True) == 1  # the first plain step, then 80 steps
+    unprimed = GoodputGuard(alpha=0.3, probe_overhead=0.01)
+    assert unprimed.speculate(4)  # no prior: learn by speculating
+
+
+def test_greedy_and_sampled_batches_keep_apart_estimates_and_only_sampled_ones_start_from_the_prior():
+    from trtllm_moespec.core.sampling import SamplingConfig
+    from trtllm_moespec.engine.batch_cost import GuardsByKind
+    from trtllm_moespec.engine.guard import SampledPrior
+
+    guards = GuardsByKind(SampledPrior(1.3, 2.1))
+    t1, t0 = (SamplingConfig(temperature=1.0), False), (SamplingConfig(), False)
+    sampled, greedy = guards.of(False, [t1, t1]), guards.of(True, [t0, t0])
+    assert sampled is not greedy and guards.of(False, [t1]) is sampled
+    assert sampled.prior is not None and greedy.prior is None
+    for _ in range(6):  # sampled batches measure speculation losing...
+        sampled.record(2, True, tokens=2, seconds=1.0)
+        sampled.record(2, False, tokens=2, seconds=0.1)
+    assert sampled.speculate(2) is False
+    assert greedy.speculate(2) is True  # ...which greedy batches never see: they measure their own
+    assert GuardsByKind(SampledPrior(1.3, 2.1)).of(False, [t1, (SamplingConfig(1.0, top_p=0.9), False)]).prior is None

@@ -488,7 +488,7 @@ def test_a_sampled_prior_declines_before_any_speculative_step_and_probes_on_the_
 def test_moespec_base_starts_sampled_requests_from_its_prior_and_stays_lossless():
     """moespec-base ships the prior (its policy_defaults.json): a seeded T=1 request decodes exactly `ar`'s text
     (the position-keyed sampler: a token's random number depends on its seed and position only) with no
-    speculative step; without the prior the same request speculates to learn."""
+    speculative step, alone and batched; without the prior the same requests speculate to learn."""
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
     ar = LLM("moespec-base", policy="ar")
     joint = LLM("moespec-base", policy="joint", target_model=ar.target)
@@ -501,3 +501,9 @@ def test_moespec_base_starts_sampled_requests_from_its_prior_and_stays_lossless(
     unprimed.engine.guard.prior = None
     learning = unprimed.generate([prompt], params)[0]
     assert any(s.verified_tokens for s in learning.steps)
+    # Batched (several prompts: engine/batch.py), the sampled batches' guard starts from the same prior.
+    prompts = [prompt, joint.encode(["import os\n"])[0]]
+    batched = joint.generate(prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in ar.generate(prompts, params)]
+    assert not any(s.verified_tokens for o in batched for s in o.steps)
+    assert any(s.verified_tokens for o in unprimed.generate(prompts, params) for s in o.steps)

@@ -43,7 +43,7 @@ from ..core.tree import DraftTree, deepest_selected, gather_nodes, top_k_nodes
 from ..core.values import RequestValues, accepted_nodes
 from ..core.verify import VerifyResult, verify_tree
 from ..models.target import TargetCache, TargetModel, TargetOutput
-from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard
+from .batch_cost import BatchCosts, BatchTableCosts, GoodputGuard, GuardsByKind
 from .drafters import Draft, LazyDraftStart, RequestDrafter, catch_up_all, commit_all, draft_all
 from .engine import (Request, SpecEngine, _predictor_hits, _unique_per_layer, draft_constraint, position_keys,
                      processed_logits)
@@ -115,7 +115,8 @@ class BatchedEngine:
             self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
         else:
             guarded = batch_policy in ("joint-batch", "evict-batch") or (batch_policy is None and engine.guard is not None)
-            self.guard = GoodputGuard() if goodput_guard and guarded else None
+            prior = engine.guard.prior if engine.guard is not None else None  # the model's, for sampled batches
+            self.guard = GuardsByKind(prior) if goodput_guard and guarded else None
         self._active: dict[int, _Active] = {}  # id(request) -> state, in admission order
         # Plain steps (chosen by the guard) skip the drafter: the draft source remembers their tokens and
         # catches up in one forward before it next drafts (drafters.Eagle3Source.defer, as SpecEngine's
@@ -227,21 +228,29 @@ class BatchedEngine:
             outs[b] = self.engine.prefill_alone(new[b].request, new[b].cache, prompts[b])
         return outs
 
+    def _guard_for(self, running: list[_Active], greedy: bool):
+        """The guard deciding this batch: the one given, or by default the one for its kind (`GuardsByKind`)."""
+        if not isinstance(self.guard, GuardsByKind):
+            return self.guard
+        constrained = [a.request.history is not None or a.request.grammar is not None for a in running]
+        return self.guard.of(greedy, [(a.request.sampling, c) for a, c in zip(running, constrained)])
+
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine
         # The guard and the costs time the iteration alone: prefills of requests admitted in the same
         # step (a whole plain step's worth each) would otherwise land on whichever mode ran beside them.
         t_iter = time.perf_counter()
         greedy = all(a.request.sampling.greedy for a in running)
-        speculate = self.guard.speculate(len(running), greedy=greedy) if self.guard is not None else engine.policy.drafts
+        guard = self._guard_for(running, greedy)
+        speculate = guard.speculate(len(running), greedy=greedy) if guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
-        scouted = (not speculate and self.guard is not None and running[0].drafter.scouts
-                   and self.guard.wants_scout(len(running), greedy))
+        scouted = (not speculate and guard is not None and running[0].drafter.scouts
+                   and guard.wants_scout(len(running), greedy))
         if scouted:
             # the drafters catch up on the skipped steps (which the next speculative step needs anyway), reading
             # whether each committed token was among their first guesses: speculate now where those say it pays
             hits = [hit for a in running for hit in a.drafter.scout(GREEDY_SCOUT_TOP)]
-            speculate = self.guard.scout(len(running), hits, time.perf_counter() - t0, running[0].drafter.depth)
+            speculate = guard.scout(len(running), hits, time.perf_counter() - t0, running[0].drafter.depth)
         if speculate:  # after plain steps: the switch's price, kept out of the guard's and costs' view of this step
             catch_up_all([a.drafter for a in running])
         t_switch = time.perf_counter() - t0
@@ -289,8 +298,8 @@ class BatchedEngine:
         iter_s = time.perf_counter() - t_iter - t_switch
         step_s = time.perf_counter() - t_step
         committed = sum(len(r.new_ids) for r in results)
-        if self.guard is not None:
-            self.guard.record(len(running), speculate, committed, iter_s, greedy=greedy)
+        if guard is not None:
+            guard.record(len(running), speculate, committed, iter_s, greedy=greedy)
         if self.costs is not None and speculate:
             k_total = sum(int(layout.num_nodes[0]) for layout in layouts)
             self.costs.record(len(running), k_total, _batch_unique_pairs(outs, self.target.num_experts), iter_s)

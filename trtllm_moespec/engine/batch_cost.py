@@ -30,6 +30,8 @@
   T=0 (`benchmarks/batch_guard_ab.py`, docs/serving.md): 1.60 / 1.34 / 1.17x `ar` at B = 1 / 4 / 8 against
   1.28 / 1.32 / 1.17x without these rules (speculating every step: 1.63 / 1.34 / 1.05x); at T=1, where the
   rules do not apply, 1.01 / 0.99 / 0.99x (speculating every step: 0.70 / 0.63 / 0.58x).
+- `GuardsByKind`: the batched engine's default, one GoodputGuard for all-greedy batches and one for the rest,
+  the sampled one starting from the model's `SampledPrior` (engine/guard.py) where it describes the batch.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import statistics
 import numpy as np
 
 from ..core.cost import CostTable, ExpertCostModel
-from .guard import GREEDY_SCOUT_WINDOW, PROBE_WIN_WEIGHT, TIME_CLIP, Ewma, greedy_scout_tokens, steps_to_cover
+from .guard import (GREEDY_SCOUT_WINDOW, PROBE_WIN_WEIGHT, TIME_CLIP, Ewma, SampledPrior, greedy_scout_tokens,
+                    steps_to_cover)
 
 
 class BatchCosts:
@@ -116,7 +119,7 @@ class GoodputGuard:
 
     def __init__(self, alpha: float = 0.3, probe_every: int = 16, max_probe_every: int = 1024,
                  probe_overhead: float = 0.01, min_spec_steps: int = 4, hold: float = 0.15,
-                 winning_probe_overhead: float = 0.1, scout_every: int = 8):
+                 winning_probe_overhead: float = 0.1, scout_every: int = 8, prior: SampledPrior | None = None):
         if not 0 < alpha <= 1 or not 2 <= probe_every <= max_probe_every or not 0 < probe_overhead < 1:
             raise ValueError(f"need alpha in (0, 1], 2 <= probe_every <= max_probe_every and probe_overhead in "
                              f"(0, 1), got {alpha}, {probe_every}, {max_probe_every}, {probe_overhead}")
@@ -135,6 +138,10 @@ class GoodputGuard:
         # first one sent batches that speculation serves at 1.3x to plain decoding for the next ~90 steps.
         self.min_spec_steps = min_spec_steps
         self.num_spec_steps = 0
+        # A model's prior for sampled batches (engine/guard.py `SampledPrior`): the first plain step's time
+        # prices a speculative step, which counts as `min_spec_steps` measured ones (`_prime`), instead of
+        # speculative steps spent learning that speculation loses.
+        self.prior = prior
         # (batch size, speculated) -> tokens/s and step seconds EMAs, each the median of its first
         # `min_spec_steps` observations before (one-time costs of the first steps: `GuardConfig.min_spec_steps`)
         self._goodput: dict[tuple[int, bool], Ewma] = {}
@@ -164,6 +171,8 @@ class GoodputGuard:
         before any drafting."""
         decision = self._decision(batch_size, greedy)
         if decision is None:  # nothing decided anywhere yet: measure speculation, then plain decoding
+            if self.prior is not None and not self._goodput:
+                return False  # the prior prices speculation in plain steps: measure one first
             if (batch_size, True) in self._goodput or (batch_size, False) in self._goodput:
                 return (batch_size, True) not in self._goodput
             return not any(speculated for _, speculated in self._goodput)
@@ -189,6 +198,8 @@ class GoodputGuard:
         goodput = tokens / max(seconds, 1e-9)
         self._goodput.setdefault(key, Ewma(warmup=self.min_spec_steps)).update(goodput, self.alpha)
         mean_s.update(seconds, self.alpha)
+        if self.prior is not None and not speculated and not any(spec for _, spec in self._goodput):
+            self._prime(batch_size)
         self._decisions.clear()
         after = self._decision(batch_size, greedy)
         self._held = bool(after)
@@ -211,6 +222,16 @@ class GoodputGuard:
             self._until_probe = max(self._interval, self._affordable_interval(batch_size, greedy))
         else:
             self._until_probe -= 1
+
+    def _prime(self, batch_size: int) -> None:
+        """Speculation's estimates at `batch_size` from the prior and the plain step just measured there, as if
+        `min_spec_steps` speculative steps had been: seconds = step_ratio x plain, tokens = batch x tokens_per_step.
+        Measured steps then move them as the EWMA moves any estimate."""
+        spec_s = self.prior.step_ratio * self._seconds[(batch_size, False)].value
+        tokens = batch_size * self.prior.tokens_per_step
+        self._seconds[(batch_size, True)] = Ewma(spec_s, self.min_spec_steps)
+        self._goodput[(batch_size, True)] = Ewma(tokens / spec_s, self.min_spec_steps)
+        self.num_spec_steps = max(self.num_spec_steps, self.min_spec_steps)
 
     def _judge_probe(self, won: bool, batch_size: int, greedy: bool, speculation: bool = True) -> None:
         """A probe's verdict: the interval (reset on a win, doubled on a loss), the countdown, and for a
@@ -315,3 +336,25 @@ class GoodputGuard:
         speculating, until it loses by more than `hold` (the single-request guard's `GuardConfig.hold`)."""
         margin = self.hold if greedy and self._held else 0.0
         return self._rate(batch_size, True) >= (1.0 - margin) * self._rate(batch_size, False)
+
+
+class GuardsByKind:
+    """The batched engine's default guard: one `GoodputGuard` for batches of greedy requests and one for the
+    others, as the single-request guard keeps greedy and sampled memories apart (engine/guard.py). They accept
+    differently (moespec-base, joint: ~4 tokens per speculative step at T=0, ~1.3 at T=1), so one set of
+    estimates shared by both sent a server's greedy batches plain after its sampled ones measured a loss, and
+    back. The sampled guard starts from the model's `SampledPrior` where the first batch it decides for is one
+    the prior describes (every request at the prior's temperature or above, untruncated, unconstrained)."""
+
+    def __init__(self, prior: SampledPrior | None = None):
+        self.prior = prior
+        self.guards: dict[bool, GoodputGuard] = {}
+
+    def of(self, greedy: bool, requests: list[tuple[object, bool]]) -> GoodputGuard:
+        """The guard for a batch that is all greedy or not; `requests`: each request's (sampling, constrained),
+        read when the sampled guard is made."""
+        if greedy not in self.guards:
+            p = self.prior
+            covered = not greedy and p is not None and all(p.covers(s, c) for s, c in requests)
+            self.guards[greedy] = GoodputGuard(prior=p if covered else None)
+        return self.guards[greedy]
