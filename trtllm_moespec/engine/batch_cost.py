@@ -342,8 +342,8 @@ class GuardsByKind:
     """The batched engine's default guard: one `GoodputGuard` for batches of greedy requests and one for the
     others, as the single-request guard keeps greedy and sampled memories apart (engine/guard.py). They accept
     differently (moespec-base, joint: ~4 tokens per speculative step at T=0, ~1.3 at T=1), so one set of
-    estimates shared by both sent a server's greedy batches plain after its sampled ones measured a loss, and
-    back. The sampled guard starts from the model's `SampledPrior` where the first batch it decides for is one
+    estimates shared by both would send a server's greedy batches plain after its sampled ones measured a loss,
+    and back. The sampled guard starts from the model's `SampledPrior` where the first batch it decides for is one
     the prior describes (every request at the prior's temperature or above, untruncated, unconstrained)."""
 
     def __init__(self, prior: SampledPrior | None = None):
