@@ -117,7 +117,7 @@ def test_moespec_base_ships_a_sampled_guard_prior_from_an_unguarded_run():
     g = PolicyDefaults.load(BASE_TUNING).guard
     assert g.tree == (6, 8, 32) and g.device == "cpu" and g.sampled.temperature == 1.0
     assert g.sampled.tokens_per_step / g.sampled.step_ratio < 1.0  # sampled speculation loses on this model
-    assert "guard=off" in g.record["measured_as"] and g.record["evidence"].endswith("bench.md")
+    assert "guard=off" in g.record["measured_as"] and g.record["evidence"].endswith("bench.json")
 
 
 def test_the_guard_prior_applies_only_with_the_models_drafter_on_its_tree_and_device(tmp_path):
