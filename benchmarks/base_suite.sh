@@ -29,6 +29,8 @@ if has bench; then
     --guard-ablation evict,ecospec,joint \
     --temperature 0,1 --num-prompts "${PROMPTS:-8}" --max-tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plots "$OUT/plots"
+  # the guard's prior for sampled requests: the unguarded joint's T=1 cells beside ar's (the guard ablation)
+  python -m benchmarks.guard_prior "$OUT/bench.json" --out trtllm_moespec/assets/$M/policy_defaults.json
 fi
 if has values; then  # the model's value model (the acceptance head) against the calibrated values, live (2 runs per cell)
   moespec bench --model $M --datasets humaneval,mt_bench,gsm8k --methods ar,evict,joint --values-sweep calibrated \
