@@ -10,7 +10,7 @@ import pytest
 from trtllm_moespec.assets import shipped_model_paths
 from trtllm_moespec.config import MoESpecConfig, RuntimeConfig
 from trtllm_moespec.engine.config import TreeConfig
-from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, chosen_guard_prior, chosen_values, with_tuned_options
+from trtllm_moespec.policy_defaults import FORMAT, PolicyDefaults, load_for, with_tuned_options
 from trtllm_moespec.resolve import resolve_config
 
 BASE_TUNING = shipped_model_paths("moespec-base")["policy_defaults"]
@@ -108,9 +108,9 @@ def test_chosen_values_for_another_device_do_not_apply(tmp_path):
     path = tmp_path / "policy_defaults.json"
     entry = {"kind": "raw", "tree": [6, 8, 32], "device": "cuda:NVIDIA H200"}
     path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "values": entry}))
-    assert chosen_values(path, "m", (6, 8, 32), "cpu") is None
-    assert chosen_values(path, "m", (6, 8, 32), "cuda:NVIDIA H200") == "raw"
-    assert chosen_values(None, "m", (6, 8, 32), "cpu") is None
+    assert load_for(path, "m").values_for((6, 8, 32), "cpu") is None
+    assert load_for(path, "m").values_for((6, 8, 32), "cuda:NVIDIA H200") == "raw"
+    assert load_for(None, "m") is None  # no file: nothing chosen
 
 
 def test_moespec_base_ships_a_sampled_guard_prior_from_an_unguarded_run():
@@ -132,8 +132,8 @@ def test_the_guard_prior_applies_only_with_the_models_drafter_on_its_tree_and_de
     path = tmp_path / "policy_defaults.json"
     entry = {"sampled": {"tokens_per_step": 1.2, "step_ratio": 2.0}, "tree": [6, 8, 32], "device": "cuda:NVIDIA H200"}
     path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "guard": entry}))
-    assert chosen_guard_prior(path, "m", (6, 8, 32), "cpu") is None
-    assert chosen_guard_prior(path, "m", (6, 8, 32), "cuda:NVIDIA H200").tokens_per_step == 1.2
+    assert load_for(path, "m").guard_prior_for((6, 8, 32), "cpu") is None
+    assert load_for(path, "m").guard_prior_for((6, 8, 32), "cuda:NVIDIA H200").tokens_per_step == 1.2
     entry["sampled"]["step_ratio"] = -1
     path.write_text(json.dumps({"format": FORMAT, "model_id": "m", "policies": {}, "guard": entry}))
     with pytest.raises(ValueError, match="'guard': 'sampled': SampledPrior.step_ratio must be"):

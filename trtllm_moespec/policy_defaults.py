@@ -109,36 +109,32 @@ class PolicyDefaults:
     def options_for(self, policy: str, tree: tuple[int, int, int], device: str) -> dict[str, Any]:
         """The tuned options of `policy` for this tree and device ({} where none apply)."""
         tuned = self.policies.get(policy)
-        if tuned is None:
-            return {}
-        if tuned.tree != tuple(tree) or tuned.device != device:
-            log.info("%s's tuned options %s were chosen for tree %s on %s; this run drafts %s on %s, so the "
-                     "policy's own defaults apply", policy, tuned.options, tuned.tree, tuned.device, tree, device)
+        if not _holds(tuned, tree, device, f"{policy}'s tuned options {tuned and tuned.options}",
+                      "the policy's own defaults apply"):
             return {}
         return dict(tuned.options)
-
 
     def values_for(self, tree: tuple[int, int, int], device: str) -> str | None:
         """The model's chosen value model for this tree and device (None where none applies)."""
         v = self.values
-        if v is None:
-            return None
-        if v.tree != tuple(tree) or v.device != device:
-            log.info("values=%r was chosen for tree %s on %s; this run drafts %s on %s, so 'calibrated' applies",
-                     v.kind, v.tree, v.device, tree, device)
-            return None
-        return v.kind
+        return v.kind if _holds(v, tree, device, f"values={v and v.kind!r}", "'calibrated' applies") else None
 
     def guard_prior_for(self, tree: tuple[int, int, int], device: str) -> "SampledPrior | None":
         """The guard's sampled prior for this tree and device (None where none applies)."""
         g = self.guard
-        if g is None:
-            return None
-        if g.tree != tuple(tree) or g.device != device:
-            log.info("the guard's sampled prior was measured for tree %s on %s; this run drafts %s on %s, so sampled "
-                     "requests learn it", g.tree, g.device, tree, device)
-            return None
-        return g.sampled
+        return g.sampled if _holds(g, tree, device, "the guard's sampled prior", "sampled requests learn it") else None
+
+
+def _holds(entry, tree: tuple[int, int, int], device: str, what: str, otherwise: str) -> bool:
+    """Was `entry` (TunedOptions, TunedValues or TunedGuard; None: absent) chosen for this tree and device? Where
+    it was chosen for another, say so (`what` it is, and what applies instead)."""
+    if entry is None:
+        return False
+    if entry.tree != tuple(tree) or entry.device != device:
+        log.info("%s: chosen for tree %s on %s; this run drafts %s on %s, so %s", what, entry.tree, entry.device,
+                 tree, device, otherwise)
+        return False
+    return True
 
 
 def _entry(path: Path, name: str, e: Any) -> TunedOptions:
@@ -194,24 +190,17 @@ def _where(where: str, e: dict) -> tuple[tuple[int, int, int], str]:
 def with_tuned_options(policy: str, given: dict[str, Any], path: Path | None, model_id: str,
                        tree: tuple[int, int, int], device: str) -> dict[str, Any]:
     """`given` (the user's policy options) completed by the model's tuned ones where the user set none."""
-    defaults = _load_for(path, model_id)
+    return merged_options(load_for(path, model_id), policy, given, tree, device)
+
+
+def merged_options(defaults: PolicyDefaults | None, policy: str, given: dict[str, Any],
+                   tree: tuple[int, int, int], device: str) -> dict[str, Any]:
+    """`with_tuned_options` on an already loaded file (None: the model has none)."""
     return dict(given) if defaults is None else {**defaults.options_for(policy, tree, device), **given}
 
 
-def chosen_values(path: Path | None, model_id: str, tree: tuple[int, int, int], device: str) -> str | None:
-    """The model's chosen value model for this tree and device, None where it chose none."""
-    defaults = _load_for(path, model_id)
-    return None if defaults is None else defaults.values_for(tree, device)
-
-
-def chosen_guard_prior(path: Path | None, model_id: str, tree: tuple[int, int, int],
-                       device: str) -> "SampledPrior | None":
-    """The model's guard prior for sampled requests on this tree and device, None where it has none."""
-    defaults = _load_for(path, model_id)
-    return None if defaults is None else defaults.guard_prior_for(tree, device)
-
-
-def _load_for(path: Path | None, model_id: str) -> PolicyDefaults | None:
+def load_for(path: Path | None, model_id: str) -> PolicyDefaults | None:
+    """The model's policy defaults (None: it has no file); a file tuned for another model is refused."""
     if path is None or not path.is_file():
         return None
     defaults = PolicyDefaults.load(path)

@@ -24,7 +24,7 @@ from .core.policies import POLICIES
 from .core.presets import MoEArchitecture
 from .engine.config import TreeConfig
 from .policy_defaults import FILE_NAME as POLICY_DEFAULTS_NAME
-from .policy_defaults import chosen_guard_prior, chosen_values, with_tuned_options
+from .policy_defaults import PolicyDefaults, load_for, merged_options
 
 log = logging.getLogger(__name__)
 __all__ = ["TINY", "ModelPaths", "resolve_config", "resolve_model"]
@@ -62,8 +62,9 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
     paths = resolve_model(str(runtime.model), spec.draft_model, spec.predictor)
     check_target_dir(paths.target)
     tree = spec.tree if spec.tree is not None else default_tree(spec.cost_profile, paths)
+    defaults = load_for(paths.policy_defaults, paths.model_id)  # tuned options, chosen values, the guard's prior
     if spec.values is None:
-        spec = replace(spec, values=_default_values(paths, spec, tree, device_name(device)))
+        spec = replace(spec, values=_default_values(defaults, paths, spec, tree, device_name(device)))
     if spec.values == "head" and paths.acceptance_head is None:
         raise ValueError(f"values='head' needs a learned acceptance head; {paths.model_id} ships none "
                          "(use values='calibrated')")
@@ -90,27 +91,33 @@ def resolve_config(spec: MoESpecConfig, runtime: RuntimeConfig, ep=None) -> Reso
         draft_stop=_resolve_draft_stop(policy, spec.draft_stop, rules_profile),
         ddd_threshold=spec.ddd_threshold if spec.ddd_threshold is not None else (0.3 if policy == "ddd" else None),
         oracle_predictor=spec.predictor == "oracle", tree=tree,
-        policy_options=with_tuned_options(policy, spec.policy_options or {}, paths.policy_defaults, paths.model_id,
-                                          tree.as_tuple(), device_name(device)),
-        guard_prior=_guard_prior(paths, spec, tree, device_name(device)))
+        policy_options=merged_options(defaults, policy, spec.policy_options or {}, tree.as_tuple(),
+                                      device_name(device)),
+        guard_prior=_guard_prior(defaults, spec, tree, device_name(device)))
 
 
-def _default_values(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, device: str) -> str:
+def _own_drafter(spec: MoESpecConfig) -> bool:
+    """Drafting with the model's own EAGLE-3 drafter: the one its acceptance head and guard prior were made with."""
+    return spec.drafter == "eagle3" and spec.draft_model is None
+
+
+def _default_values(defaults: PolicyDefaults | None, paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig,
+                    device: str) -> str:
     """`values=None`: the value model the model chose for this tree and device (its policy_defaults.json,
     from side-by-side runs), where it can run here (the acceptance head reads the hidden state of the
     model's own EAGLE-3 drafter, which it was trained on); else 'calibrated'."""
-    chosen = chosen_values(paths.policy_defaults, paths.model_id, tree.as_tuple(), device)
-    if chosen == "head" and (paths.acceptance_head is None or spec.drafter != "eagle3" or spec.draft_model is not None):
+    chosen = defaults.values_for(tree.as_tuple(), device) if defaults is not None else None
+    if chosen == "head" and (paths.acceptance_head is None or not _own_drafter(spec)):
         return "calibrated"
     return chosen or "calibrated"
 
 
-def _guard_prior(paths: "ModelPaths", spec: MoESpecConfig, tree: TreeConfig, device: str):
+def _guard_prior(defaults: PolicyDefaults | None, spec: MoESpecConfig, tree: TreeConfig, device: str):
     """The model's measured guard prior for sampled requests (engine/guard.py `SampledPrior`) for this tree and
     device, with the model's own EAGLE-3 drafter, which measured it (None elsewhere)."""
-    if spec.drafter != "eagle3" or spec.draft_model is not None:
+    if defaults is None or not _own_drafter(spec):
         return None
-    return chosen_guard_prior(paths.policy_defaults, paths.model_id, tree.as_tuple(), device)
+    return defaults.guard_prior_for(tree.as_tuple(), device)
 
 
 def _resolve_cuda_graphs(requested: bool | None, device: torch.device, model_impl: str, ep) -> bool:

@@ -288,8 +288,13 @@ def test_greedy_and_sampled_batches_keep_apart_estimates_and_only_sampled_ones_s
     from trtllm_moespec.engine.batch_cost import GuardsByKind
     from trtllm_moespec.engine.guard import SampledPrior
 
+    from trtllm_moespec.engine.engine import Request
+
+    def request(sampling):
+        return Request(prompt_ids=[1], sampling=sampling, max_tokens=4, generator=None)
+
     guards = GuardsByKind(SampledPrior(1.3, 2.1))
-    t1, t0 = (SamplingConfig(temperature=1.0), False), (SamplingConfig(), False)
+    t1, t0 = request(SamplingConfig(temperature=1.0)), request(SamplingConfig())
     sampled, greedy = guards.of(False, [t1, t1]), guards.of(True, [t0, t0])
     assert sampled is not greedy and guards.of(False, [t1]) is sampled
     assert sampled.prior is not None and greedy.prior is None
@@ -298,4 +303,4 @@ def test_greedy_and_sampled_batches_keep_apart_estimates_and_only_sampled_ones_s
         sampled.record(2, False, tokens=2, seconds=0.1)
     assert sampled.speculate(2) is False
     assert greedy.speculate(2) is True  # ...which greedy batches never see: they measure their own
-    assert GuardsByKind(SampledPrior(1.3, 2.1)).of(False, [t1, (SamplingConfig(1.0, top_p=0.9), False)]).prior is None
+    assert GuardsByKind(SampledPrior(1.3, 2.1)).of(False, [t1, request(SamplingConfig(1.0, top_p=0.9))]).prior is None

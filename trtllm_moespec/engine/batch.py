@@ -232,8 +232,7 @@ class BatchedEngine:
         """The guard deciding this batch: the one given, or by default the one for its kind (`GuardsByKind`)."""
         if not isinstance(self.guard, GuardsByKind):
             return self.guard
-        constrained = [a.request.history is not None or a.request.grammar is not None for a in running]
-        return self.guard.of(greedy, [(a.request.sampling, c) for a, c in zip(running, constrained)])
+        return self.guard.of(greedy, [a.request for a in running])
 
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine

@@ -350,11 +350,11 @@ class GuardsByKind:
         self.prior = prior
         self.guards: dict[bool, GoodputGuard] = {}
 
-    def of(self, greedy: bool, requests: list[tuple[object, bool]]) -> GoodputGuard:
-        """The guard for a batch that is all greedy or not; `requests`: each request's (sampling, constrained),
-        read when the sampled guard is made."""
+    def of(self, greedy: bool, requests: list) -> GoodputGuard:
+        """The guard for a batch that is all greedy or not; `requests` (engine.Request) are read when the sampled
+        guard is made."""
         if greedy not in self.guards:
             p = self.prior
-            covered = not greedy and p is not None and all(p.covers(s, c) for s, c in requests)
+            covered = not greedy and p is not None and all(p.covers(r.sampling, r.constrained) for r in requests)
             self.guards[greedy] = GoodputGuard(prior=p if covered else None)
         return self.guards[greedy]

@@ -69,6 +69,11 @@ class Request:
     def stats(self) -> GenerationStats:
         return GenerationStats.from_steps(self.steps, len(self.output_ids), self.prefill_ms)
 
+    @property
+    def constrained(self) -> bool:
+        """Logit rules or a grammar shape its distribution (the guard's sampled prior does not describe it)."""
+        return self.history is not None or self.grammar is not None
+
 
 class SpecEngine:
     """Runs requests through draft -> select -> verify -> commit on one target."""
@@ -109,8 +114,7 @@ class SpecEngine:
         values = self.values.for_request(request.sampling) if self.values and self.policy.uses_values else None
         guard = None
         if self.guard is not None:
-            guard = self.guard.start(request.sampling.temperature == 0, request.sampling,
-                                     constrained=request.history is not None or request.grammar is not None)
+            guard = self.guard.start(request.sampling.temperature == 0, request.sampling, request.constrained)
         if values is not None and self.values.name != "head":  # the drafting stop rule ranks on the same values
             drafter.node_values = lambda tree: values.values(tree)
         while True:
