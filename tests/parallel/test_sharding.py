@@ -44,7 +44,16 @@ def test_sharded_experts_are_bitwise_equal_to_one_process(config, num_ranks):
 
 
 @pytest.mark.parametrize("config", [qwen3_moe_config, gpt_oss_config])
-def test_lean_shards_are_bitwise_equal_to_the_lean_forward(config):
+@pytest.mark.parametrize("grad", [True, False])  # no grad: the compiled CPU experts kernel (experts_host.py)
+def test_lean_shards_are_bitwise_equal_to_the_lean_forward(config, grad):
+    torch.set_grad_enabled(grad)
+    try:
+        _check_lean_shards(config)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_lean_shards(config):
     from types import SimpleNamespace
 
     from trtllm_moespec.models.moe import gpt_oss_weights, qwen3_moe_weights, routed_experts

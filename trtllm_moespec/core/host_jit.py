@@ -14,9 +14,9 @@ def switched_on(variable: str) -> bool:
     return os.environ.get(variable, "1") != "0"
 
 
-def numba_jit(boundscheck: bool = True):
+def numba_jit(boundscheck: bool = True, fastmath: bool | set[str] = False):
     """`numba.njit` as these kernels use it (cached beside the module, no GIL, bounds-checked), or None
-    without numba.
+    without numba. `fastmath`: LLVM's float flags for a kernel whose sums may be reordered (vectorised).
 
     Bounds checks: an index past an array raises IndexError instead of reading or writing outside it. An
     unchecked write once corrupted the heap (`select_host.top_nodes` given an empty order by a cost table of
@@ -26,7 +26,7 @@ def numba_jit(boundscheck: bool = True):
         import numba
     except ImportError:
         return None
-    return numba.njit(cache=True, nogil=True, boundscheck=boundscheck)
+    return numba.njit(cache=True, nogil=True, boundscheck=boundscheck, fastmath=fastmath)
 
 
 _compiled: dict[tuple[str, tuple[str, ...]], tuple | None] = {}
@@ -34,12 +34,13 @@ _compiling = threading.Lock()
 
 
 def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], helpers: tuple[str, ...] = (),
-                     boundscheck: bool = True) -> tuple | None:
+                     boundscheck: bool = True, fastmath: bool | set[str] = False) -> tuple | None:
     """A module's `kernels` compiled (namespace: its `globals()`), once per module, or None when numba is
     missing or `switch` is 0. numba compiles the helpers a kernel calls by their global names, so those
     names are first rebound to their compiled versions (still plain callables from Python); a kernel that
     is also a helper comes back as that compiled helper. `boundscheck=False` only for a kernel that checks
-    every index it reads itself (models/acceptance_head_host.py)."""
+    every index it reads itself (models/acceptance_head_host.py); `fastmath` as `numba_jit`, for the kernel and
+its helpers."""
     if not switched_on(switch):
         return None
     key = (namespace["__name__"], kernels)
@@ -47,7 +48,7 @@ def compiled_kernels(switch: str, namespace: dict, kernels: tuple[str, ...], hel
         return _compiled[key]
     with _compiling:
         if key not in _compiled:
-            jit = numba_jit(boundscheck)
+            jit = numba_jit(boundscheck, fastmath)
             if jit is not None:
                 for name in helpers:  # a helper imported from a module that compiled it already stays as it is
                     fn = namespace[name]

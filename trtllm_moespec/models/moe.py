@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts_host import CLAMPED_SWIGLU, HOST_MAX_PAIRS, SILU_GATED, HostExperts, routed_slots
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Up to this many (token, expert) pairs, CPU runs one matmul per routed expert instead of a
 # grouped GEMM. Measured on moespec-tiny (top-4 of 32, 1 thread): one token (4 pairs) 162 vs
@@ -54,6 +56,7 @@ class ExpertWeights:
     gate: Callable[[torch.Tensor], torch.Tensor] | None  # [S, 2I] -> [S, I]
     module: nn.Module | None  # fallback: the transformers experts module (quantized weights)
     num_experts: int
+    host: HostExperts | None = None  # the same weights for the compiled CPU kernel (experts_host.py)
 
 
 def route(x: torch.Tensor, r: RouterWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,13 +77,18 @@ def routed_experts(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, 
     """sum_j top_w[n, j] * expert_{top_ids[n, j]}(x[n]) for x [N, H] -> [N, H].
 
     One grouped GEMM per projection over the (token, expert) pairs sorted by expert, so only
-    experts that received tokens cost anything (as transformers' `grouped_mm` path). On CPU, up
-    to `LOOPED_MAX_PAIRS` pairs run as one matmul per expert that received tokens instead
-    (`looped`: force one path or the other; None = by size).
+    experts that received tokens cost anything (as transformers' `grouped_mm` path). On CPU, up to
+    `HOST_MAX_PAIRS` pairs run through the compiled kernel (`experts_host.py`) when it applies;
+    without it, up to `LOOPED_MAX_PAIRS` pairs run as one matmul per expert that received tokens
+    (`looped`: force one torch path or the other, the kernel off; None = by size).
     """
     if w.module is not None:
         return w.module(x, top_ids, top_w)
     N, k = top_ids.shape
+    if w.host is not None and looped is None and N * k <= HOST_MAX_PAIRS and not torch.is_grad_enabled():
+        slots = routed_slots(x, top_ids, top_w, w.host)  # [N * k, H]
+        if slots is not None:
+            return slots.view(N, k, -1).sum(dim=1).to(x.dtype)
     cpu = x.device.type == "cpu"
     if cpu and N == 1 and looped is not False:  # a plain decode step: k distinct experts, one row each
         return _one_token_experts(x, top_ids[0], top_w[0], w)
@@ -202,8 +210,10 @@ def qwen3_moe_weights(block: nn.Module) -> tuple[RouterWeights, ExpertWeights]:
     def silu_gate(h: torch.Tensor) -> torch.Tensor:
         g, u = h.chunk(2, dim=-1)
         return act(g) * u
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' ACT2FN["silu"]
+    host = HostExperts.of(experts.gate_up_proj, None, experts.down_proj, None, True, SILU_GATED) if silu else None
     return router, ExpertWeights(experts.gate_up_proj.transpose(-2, -1), None, experts.down_proj.transpose(-2, -1),
-                                 None, silu_gate, None, experts.num_experts)
+                                 None, silu_gate, None, experts.num_experts, host)
 
 
 def gpt_oss_weights(mlp: nn.Module) -> tuple[RouterWeights, ExpertWeights]:
@@ -217,8 +227,10 @@ def gpt_oss_weights(mlp: nn.Module) -> tuple[RouterWeights, ExpertWeights]:
     def clamped_swiglu(h: torch.Tensor) -> torch.Tensor:
         g, u = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
         return (u + 1) * (g * torch.sigmoid(g * alpha))
+    host = HostExperts.of(experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias,
+                          False, CLAMPED_SWIGLU, alpha, limit)
     return router, ExpertWeights(experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj,
-                                 experts.down_proj_bias, clamped_swiglu, None, experts.num_experts)
+                                 experts.down_proj_bias, clamped_swiglu, None, experts.num_experts, host)
 
 
 def _module_fallback(experts: nn.Module) -> ExpertWeights:
