@@ -81,7 +81,7 @@ def routed_slots(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, w:
     order; None when the kernel cannot run (no numba, or ids outside the layer's experts: the caller's
     torch path then runs and fails with torch's own error)."""
     kernels = compiled_experts()
-    if kernels is None:
+    if kernels is None or x.dtype != torch.float32:
         return None
     N, k = top_ids.shape
     out = torch.empty(N * k, x.shape[-1], dtype=torch.float32)

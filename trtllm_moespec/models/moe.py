@@ -30,8 +30,8 @@ from torch import nn
 from .experts_host import CLAMPED_SWIGLU, HOST_MAX_PAIRS, SILU_GATED, HostExperts, routed_slots
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# Up to this many (token, expert) pairs, CPU runs one matmul per routed expert instead of a
-# grouped GEMM. Measured on moespec-tiny (top-4 of 32, 1 thread): one token (4 pairs) 162 vs
+# Without the compiled kernel (experts_host.py: no numba, or switched off), up to this many (token, expert)
+# pairs CPU runs one matmul per routed expert instead of a grouped GEMM. Measured on moespec-tiny (top-4 of 32, 1 thread): one token (4 pairs) 162 vs
 # 319 us per layer; 8 pairs about even; 12+ pairs the grouped GEMM wins (see `_looped_experts`).
 LOOPED_MAX_PAIRS = 4
 
