@@ -35,10 +35,11 @@ from ..core.host_jit import compiled_kernels
 SILU_GATED = 0  # Qwen3-MoE: [gate; up] halves, silu(gate) * up
 CLAMPED_SWIGLU = 1  # GPT-OSS: gate/up interleaved, clamped, (up + 1) * gate * sigmoid(alpha * gate)
 
-# Above this many (token, expert) pairs torch's grouped GEMM (BLAS over many rows per expert) catches up
-# with the per-pair loops: 512 pairs (128 tokens) ran 1.71 vs 1.91 ms a layer on moespec-base. Prompt
-# prefills past it take the torch path.
-HOST_MAX_PAIRS = 512
+# Around this many (token, expert) pairs torch's grouped GEMM (BLAS over many rows per expert) catches up
+# with the per-pair loops at one torch thread, the engine's default: all 24 MoE layers of moespec-base
+# for 128 / 256 / 512 tokens (512 / 1024 / 2048 pairs) ran 44.6 / 84.6 / 177 ms against 58.0 / 83.8 / 198.
+# Longer prompt prefills take the torch path, which more threads can speed up.
+HOST_MAX_PAIRS = 1024
 
 
 def compiled_experts():
