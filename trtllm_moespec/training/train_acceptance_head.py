@@ -108,8 +108,10 @@ def _rows(ex: HeadExamples, idx: torch.Tensor) -> HeadExamples:
 
 def train(records: list[ReplayFile], out_dir: Path, minutes: float, target, val_records: list[ReplayFile] = (),
           seed: int = 0, intermediate: int = 256, batch_size: int = 2048, lr: float = 2e-3, eval_every: int = 100,
-          patience: int = 8) -> tuple[AcceptanceHead, dict]:
-    """Train a head on the T=0 nodes of `records` for at most `minutes`; saved (float32) under out_dir/head.
+          patience: int = 8, max_steps: int | None = None) -> tuple[AcceptanceHead, dict]:
+    """Train a head on the T=0 nodes of `records` for at most `minutes` (and at most `max_steps` steps, whose
+    count then paces the learning-rate schedule instead of the clock, so a run does not depend on the
+    machine's speed); saved (float32) under out_dir/head.
 
     The head kept is the one of least validation loss, checked every `eval_every` steps; training stops
     after `patience` checks without a better one. Validation: `val_records` (records of other prompts: a
@@ -131,8 +133,8 @@ def train(records: list[ReplayFile], out_dir: Path, minutes: float, target, val_
     gen = torch.Generator().manual_seed(seed)
     best = (heldout_loss(model, embed, val), 0, copy.deepcopy(model.state_dict()))
     t0, step, planned, stale = time.time(), 0, minutes * 60, 0
-    while time.time() - t0 < planned and stale < patience:
-        frac = (time.time() - t0) / planned
+    while time.time() - t0 < planned and stale < patience and (max_steps is None or step < max_steps):
+        frac = step / max_steps if max_steps else (time.time() - t0) / planned
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * frac)))
         rows = torch.randint(0, len(tr), (batch_size,), generator=gen)
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", default=None, help="records for the ranking report")
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=4.0)
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps, pacing the schedule by steps (reproducible across machines)")
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--export", default=None, help="write the fp16 head here (e.g. the moespec-tiny assets)")
     args = p.parse_args(argv)
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetModel.load(paths.target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    head, metrics = train(records, out, args.minutes, target, val_records, intermediate=args.intermediate)
+    head, metrics = train(records, out, args.minutes, target, val_records, intermediate=args.intermediate,
+                          max_steps=args.max_steps)
     metrics["train_files"], metrics["val_files"] = args.train, list(args.val)
     if args.heldout:
         from ..replay.score import ranking
