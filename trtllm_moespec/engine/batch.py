@@ -112,7 +112,7 @@ class BatchedEngine:
         self._selects_as = "evict-batch" if self.joint_batch and not engine.policy.reads_experts else batch_policy
         self.costs = costs if costs is not None else _default_costs(engine, self._selects_as)
         if isinstance(goodput_guard, GoodputGuard):
-            self.guard: GoodputGuard | None = goodput_guard if batch_policy is not None else None
+            self.guard: GoodputGuard | GuardsByKind | None = goodput_guard if batch_policy is not None else None
         else:
             guarded = batch_policy in ("joint-batch", "evict-batch") or (batch_policy is None and engine.guard is not None)
             prior = engine.guard.prior if engine.guard is not None else None  # the model's, for sampled batches
@@ -228,19 +228,13 @@ class BatchedEngine:
             outs[b] = self.engine.prefill_alone(new[b].request, new[b].cache, prompts[b])
         return outs
 
-    def _guard_for(self, running: list[_Active], greedy: bool):
-        """The guard deciding this batch: the one given, or by default the one for its kind (`GuardsByKind`)."""
-        if not isinstance(self.guard, GuardsByKind):
-            return self.guard
-        return self.guard.of(greedy, [a.request for a in running])
-
     def _iterate(self, running: list[_Active], t_step: float) -> tuple[list[BatchStepOutput], float]:
         engine = self.engine
         # The guard and the costs time the iteration alone: prefills of requests admitted in the same
         # step (a whole plain step's worth each) would otherwise land on whichever mode ran beside them.
         t_iter = time.perf_counter()
         greedy = all(a.request.sampling.greedy for a in running)
-        guard = self._guard_for(running, greedy)
+        guard = self.guard.of(greedy, (a.request for a in running)) if self.guard is not None else None
         speculate = guard.speculate(len(running), greedy=greedy) if guard is not None else engine.policy.drafts
         t0 = time.perf_counter()
         scouted = (not speculate and guard is not None and running[0].drafter.scouts

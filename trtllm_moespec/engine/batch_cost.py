@@ -233,6 +233,10 @@ class GoodputGuard:
         self._goodput[(batch_size, True)] = Ewma(tokens / spec_s, self.min_spec_steps)
         self.num_spec_steps = max(self.num_spec_steps, self.min_spec_steps)
 
+    def of(self, greedy: bool, requests) -> "GoodputGuard":
+        """The guard deciding a batch: this one, whatever its kind (`GuardsByKind.of` keeps one per kind)."""
+        return self
+
     def _judge_probe(self, won: bool, batch_size: int, greedy: bool, speculation: bool = True) -> None:
         """A probe's verdict: the interval (reset on a win, doubled on a loss), the countdown, and for a
         probe of speculation the win rate that sets a greedy batch's probe budget."""
@@ -350,9 +354,9 @@ class GuardsByKind:
         self.prior = prior
         self.guards: dict[bool, GoodputGuard] = {}
 
-    def of(self, greedy: bool, requests: list) -> GoodputGuard:
-        """The guard for a batch that is all greedy or not; `requests` (engine.Request) are read when the sampled
-        guard is made."""
+    def of(self, greedy: bool, requests) -> GoodputGuard:
+        """The guard for a batch that is all greedy or not; `requests` (an iterable of engine.Request) are read
+        only when the sampled guard is made."""
         if greedy not in self.guards:
             p = self.prior
             covered = not greedy and p is not None and all(p.covers(r.sampling, r.constrained) for r in requests)

@@ -13,10 +13,10 @@ The answer is `core.drafting.speculation_pays` on running estimates:
   rule alone.
 
 No verdict comes before the engine has measured `min_spec_steps` speculative steps (per kind of
-sampling, over requests; a model's sampled prior counts as those, below): one step commits anywhere from
-1 to D+1 tokens and the first ones carry warm-up time. While speculation loses the request decodes plainly (no drafter forward: the drafter
-catches up on the skipped tokens in one forward when drafting resumes) and probes a
-speculative step every `probe_every` plain steps; a probe that still loses doubles the
+sampling, over requests; a model's sampled prior counts as those, below): one step commits anywhere
+from 1 to D+1 tokens and the first ones carry warm-up time. While speculation loses the request
+decodes plainly (no drafter forward: the drafter catches up on the skipped tokens in one forward when
+drafting resumes) and probes a speculative step every `probe_every` plain steps; a probe that still loses doubles the
 interval (up to `max_probe_every`), one that wins re-enables speculation: the text has
 become predictable. The interval is never shorter than what keeps a losing probe's extra
 time (its seconds beyond decoding the tokens it commits plainly) within a budget share

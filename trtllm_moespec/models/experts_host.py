@@ -58,8 +58,8 @@ class HostExperts:
     down_bias: np.ndarray  # [E, H], or [0, 0]
     rows_major: bool  # weights stored [out, in] (Qwen3-MoE, transformers' layout) rather than [in, out] (GPT-OSS)
     activation: int  # SILU_GATED or CLAMPED_SWIGLU
-    alpha: float = 0.0
-    limit: float = 0.0
+    alpha: np.float32 = np.float32(0.0)  # the clamped SwiGLU's constants, as the kernel takes them
+    limit: np.float32 = np.float32(0.0)
 
     @staticmethod
     def of(gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
@@ -74,7 +74,7 @@ class HostExperts:
         def view(t: torch.Tensor | None) -> np.ndarray:
             return np.zeros((0, 0), np.float32) if t is None else t.detach().numpy()
         return HostExperts(view(gate_up), view(gate_up_bias), view(down), view(down_bias), rows_major, activation,
-                           float(alpha), float(limit))
+                           np.float32(alpha), np.float32(limit))
 
 
 def routed_slots(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, w: HostExperts) -> torch.Tensor | None:
@@ -88,12 +88,12 @@ def routed_slots(x: torch.Tensor, top_ids: torch.Tensor, top_w: torch.Tensor, w:
     out = torch.empty(N * k, x.shape[-1], dtype=torch.float32)
     ok = kernels[0](x.detach().contiguous().numpy(), top_ids.contiguous().numpy(),
                     top_w.detach().float().contiguous().numpy(), w.gate_up, w.gate_up_bias, w.down, w.down_bias,
-                    w.rows_major, w.activation, np.float32(w.alpha), np.float32(w.limit), out.numpy())
+                    w.rows_major, w.activation, w.alpha, w.limit, out.numpy())
     return out if ok else None
 
 
 def expert_slots(x, ids, weights, gate_up, gate_up_bias, down, down_bias, rows_major, activation, alpha, limit, out):
-    """out [N*k, H] float32: slot (n, j) = weights[n, j] * down(act(gate_up(x[n]) + b) ) + b for expert ids[n, j].
+    """out [N*k, H] float32: slot (n, j) = weights[n, j] * (down(act(gate_up(x[n]) + b)) + b) for expert ids[n, j].
     Returns False (out unspecified) when a shape or an expert id is out of range.
 
     x [N, H] float32, ids [N, k] int64, weights [N, k] float32; weights as `HostExperts`. Pairs run grouped
